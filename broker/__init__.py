@@ -1,0 +1,1 @@
+"""The zmq-rollout broker: a pure scheduler (``scheduler``) inside a thin socket loop (``server``)."""

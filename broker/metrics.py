@@ -1,0 +1,91 @@
+"""The broker's Prometheus ``/metrics``: read from the scheduler at scrape time.
+
+The scheduler keeps plain counters (``stats.BrokerStats``); this collector turns them and the
+live queue/worker state into metric families when Prometheus scrapes, so the broker's hot
+path never touches a Prometheus object. Own ``CollectorRegistry``; no job ids in labels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from zmq_rollout.metrics import start_metrics_server
+
+from .scheduler import Scheduler
+from .stats import Histogram
+
+log = logging.getLogger(__name__)
+
+_COUNTERS = {
+    "submitted": "Jobs accepted into a queue.",
+    "completed": "Jobs whose final result reached their client.",
+    "failed": "Jobs that ended in an error from a worker, or lost too many workers.",
+    "cancelled": "Jobs cancelled by their client.",
+    "requeued": "Jobs put back in the queue because their worker was lost.",
+    "rejected_busy": "Jobs refused with BUSY because a queue was full.",
+    "rejected_invalid": "Jobs refused as invalid (duplicate id and the like).",
+    "dropped_client_gone": "Jobs dropped because their client disconnected or expired.",
+    "late_replies": "Worker replies for jobs no longer running there (dropped).",
+    "workers_expired": "Workers purged after missing heartbeats.",
+}
+
+
+def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
+
+
+class SchedulerCollector:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        # The broker thread mutates these dicts while we read: copy first, retry on a race.
+        for _ in range(5):
+            try:
+                return iter(list(self._collect()))
+            except RuntimeError:
+                continue
+        return iter(())
+
+    def _collect(self) -> Iterator[Metric]:
+        s = self.scheduler
+        stats = s.stats
+        jobs = CounterMetricFamily("zmq_rollout_jobs", "Jobs by outcome.", labels=["outcome"])
+        for field, _doc in _COUNTERS.items():
+            jobs.add_metric([field], getattr(stats, field))
+        yield jobs
+        malformed = CounterMetricFamily("zmq_rollout_malformed_messages", "Messages refused as malformed, by reason.", labels=["reason"])
+        for reason, count in list(stats.malformed.items()):
+            malformed.add_metric([reason], count)
+        yield malformed
+        yield _histogram("zmq_rollout_job_latency_seconds", "Submit to final result, per job.", stats.job_latency)
+        yield _histogram("zmq_rollout_queue_wait_seconds", "Submit to dispatch, per job attempt.", stats.queue_wait)
+        depth = GaugeMetricFamily("zmq_rollout_queue_depth", "Queued jobs per client.", labels=["client"])
+        running = GaugeMetricFamily("zmq_rollout_running_jobs", "Jobs running on workers per client.", labels=["client"])
+        for client in list(s.clients.values()):
+            depth.add_metric([client.name], len(client.queued))
+            running.add_metric([client.name], len(client.running))
+        yield depth
+        yield running
+        workers = list(s.workers.values())
+        states = {"ready": 0, "held": 0}
+        for w in workers:
+            states["ready" if w.accepting else "held"] += 1
+        by_state = GaugeMetricFamily("zmq_rollout_workers", "Registered workers by state.", labels=["state"])
+        for state, count in states.items():
+            by_state.add_metric([state], count)
+        yield by_state
+        yield GaugeMetricFamily("zmq_rollout_credits", "Credits announced by all workers.", value=sum(w.capacity for w in workers))
+        yield GaugeMetricFamily("zmq_rollout_credits_free", "Credits not in use.", value=sum(max(0, w.free) for w in workers))
+        yield GaugeMetricFamily("zmq_rollout_queued_jobs", "Queued jobs across clients.", value=s.num_queued)
+
+
+def serve_metrics(scheduler: Scheduler, port: int, addr: str = "0.0.0.0") -> Any:
+    registry = CollectorRegistry()
+    registry.register(SchedulerCollector(scheduler))  # type: ignore[arg-type]
+    return start_metrics_server(registry, port, addr)

@@ -1,0 +1,366 @@
+"""The broker's logic: credits, fair per-client queues, dispatch, requeue, cancel, expiry.
+
+A pure class: it takes events (a client submitted, a worker became ready, a result came
+back, time passed) and writes the messages to send into an ``Outbox``. It never touches a
+socket, so every rule here is unit-tested without one (tests/test_scheduler.py).
+
+Invariants:
+- a job is in exactly one place: its client's ``queue`` or one worker's ``running``;
+- a worker never holds more credits of work than it announced, except that a job larger
+  than a worker's whole capacity may run alone on an idle worker;
+- each job gets exactly one FINAL or ERROR to its client: results under a ticket that is
+  no longer running on *that* worker (requeued, cancelled, expired) are dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from zmq_rollout import protocol as p
+from zmq_rollout.config import BrokerConfig
+
+from .outbox import Outbox
+from .stats import BrokerStats
+
+log = logging.getLogger(__name__)
+
+WorkerId = bytes
+ClientId = bytes
+
+
+@dataclass(eq=False)
+class Job:
+    client: ClientId
+    spec: p.JobSpec
+    submitted_at: float
+    ticket: int = 0
+    dispatched_at: float = 0.0
+    attempts: int = 0
+    cancelled: bool = False
+
+    @property
+    def cost(self) -> int:
+        return self.spec.sampling.n
+
+
+@dataclass(eq=False)
+class ClientState:
+    identity: ClientId
+    name: str
+    last_seen: float
+    queue: deque[Job] = field(default_factory=deque)
+    queued: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, still in ``queue``
+    running: dict[str, tuple[WorkerId, int]] = field(default_factory=dict)  # job_id -> (worker, ticket)
+
+
+@dataclass(eq=False)
+class WorkerState:
+    identity: WorkerId
+    info: p.WorkerInfo
+    last_seen: float
+    capacity: int
+    used: int = 0
+    running: dict[int, Job] = field(default_factory=dict)  # ticket -> Job
+    weight_version: int = 0
+    accepting: bool = True  # False while a weight-sync round holds it
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def load(self) -> float:
+        return self.used / self.capacity if self.capacity else 1.0
+
+
+def peer_name(identity: bytes) -> str:
+    """A readable name for a peer: its identity if printable (our clients set one), else hex."""
+    text = identity.decode("ascii", "replace")
+    return text if text.isprintable() and "\ufffd" not in text else identity.hex()
+
+
+class Scheduler:
+    def __init__(self, config: BrokerConfig | None = None, outbox: Outbox | None = None) -> None:
+        self.config = config or BrokerConfig()
+        self.outbox = outbox or Outbox()
+        self.stats = BrokerStats()
+        self.clients: dict[ClientId, ClientState] = {}
+        self.workers: dict[WorkerId, WorkerState] = {}
+        self._waiting: deque[ClientState] = deque()  # clients with a non-empty queue, in turn order
+        self._tickets = itertools.count(1)
+        self.num_queued = 0
+
+    # -- clients ---------------------------------------------------------------------------
+    def _client(self, identity: ClientId, now: float) -> ClientState:
+        client = self.clients.get(identity)
+        if client is None:
+            client = self.clients[identity] = ClientState(identity, peer_name(identity), now)
+            log.info("client %s connected", client.name)
+        client.last_seen = now
+        return client
+
+    def client_seen(self, identity: ClientId, now: float) -> None:
+        self._client(identity, now)
+
+    def submit(self, identity: ClientId, jobs: list[p.JobSpec], now: float) -> None:
+        client = self._client(identity, now)
+        accepted: list[str] = []
+        cfg = self.config
+        for spec in jobs:
+            jid = spec.job_id
+            if jid in client.queued or jid in client.running:
+                self.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight"))
+                self.stats.rejected_invalid += 1
+            elif len(client.queued) >= cfg.max_queue_per_client or self.num_queued >= cfg.max_queue_total:
+                self.outbox.to_client(identity, p.BUSY, p.ErrorItem(jid, "busy", (
+                    f"queue full ({len(client.queued)} queued for this client, {self.num_queued} in all; "
+                    "limits: max_queue_per_client / max_queue_total)")))  # fmt: skip
+                self.stats.rejected_busy += 1
+            else:
+                job = Job(identity, spec, now)
+                self._enqueue(client, job)
+                accepted.append(jid)
+        if accepted:
+            self.stats.submitted += len(accepted)
+            self.outbox.to_client_many(identity, p.ACCEPTED, accepted)
+        self.dispatch(now)
+
+    def _enqueue(self, client: ClientState, job: Job, *, front: bool = False) -> None:
+        if not client.queue:
+            self._waiting.append(client)
+        if front:
+            client.queue.appendleft(job)
+        else:
+            client.queue.append(job)
+        client.queued[job.spec.job_id] = job
+        self.num_queued += 1
+
+    def cancel(self, identity: ClientId, job_ids: list[str], now: float) -> None:
+        client = self._client(identity, now)
+        for jid in job_ids:
+            if self._drop_job(client, jid):
+                self.stats.cancelled += 1
+                self.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "cancelled", "cancelled by the client"))
+
+    def _drop_job(self, client: ClientState, jid: str) -> bool:
+        """Remove a job wherever it is; abort it on its worker. False if unknown."""
+        job = client.queued.pop(jid, None)
+        if job is not None:
+            job.cancelled = True  # lazily skipped by dispatch
+            self.num_queued -= 1
+            return True
+        where = client.running.pop(jid, None)
+        if where is None:
+            return False
+        worker = self.workers.get(where[0])
+        if worker is not None:
+            running = worker.running.pop(where[1], None)
+            if running is not None:
+                worker.used -= running.cost
+                self.outbox.to_worker(worker.identity, p.CANCEL, where[1])
+        return True
+
+    def client_gone(self, identity: ClientId, reason: str) -> None:
+        client = self.clients.pop(identity, None)
+        if client is None:
+            return
+        dropped = list(client.queued) + list(client.running)
+        for jid in dropped:
+            self._drop_job(client, jid)
+        client.queue.clear()
+        if client in self._waiting:
+            self._waiting.remove(client)
+        self.stats.dropped_client_gone += len(dropped)
+        log.info("client %s gone (%s): dropped %d jobs", client.name, reason, len(dropped))
+
+    # -- workers ---------------------------------------------------------------------------
+    def worker_ready(self, identity: WorkerId, info: p.WorkerInfo, now: float) -> None:
+        worker = self.workers.get(identity)
+        if worker is None:
+            worker = self.workers[identity] = WorkerState(identity, info, now, info.credits, weight_version=info.weight_version)
+            log.info("worker %s joined: model=%s credits=%d version=%d", info.name, info.model, info.credits, info.weight_version)
+        else:
+            worker.info, worker.capacity, worker.weight_version = info, info.credits, info.weight_version
+        worker.last_seen = now
+        self.dispatch(now)
+
+    def worker_seen(self, identity: WorkerId, now: float) -> WorkerState | None:
+        """Refresh a worker's liveness; an unknown worker is told to reconnect fresh."""
+        worker = self.workers.get(identity)
+        if worker is None:
+            self.outbox.to_worker(identity, p.DISCONNECT, None)
+            self.stats.unknown_worker_messages += 1
+            return None
+        worker.last_seen = now
+        return worker
+
+    def worker_credit(self, identity: WorkerId, credits: int, now: float) -> None:
+        worker = self.worker_seen(identity, now)
+        if worker is not None:
+            worker.capacity = max(0, credits)
+            self.dispatch(now)
+
+    def worker_partial(self, identity: WorkerId, deltas: list[p.Delta], now: float) -> None:
+        worker = self.worker_seen(identity, now)
+        if worker is None:
+            return
+        for delta in deltas:
+            job = worker.running.get(delta.key)  # type: ignore[arg-type]
+            if job is None:
+                self.stats.late_replies += 1
+                continue
+            delta.key = job.spec.job_id
+            self.outbox.to_client(job.client, p.PARTIAL, delta)
+
+    def worker_final(self, identity: WorkerId, results: list[p.Result], now: float) -> None:
+        worker = self.worker_seen(identity, now)
+        if worker is None:
+            return
+        for result in results:
+            job = self._finish(worker, result.key)
+            if job is None:
+                continue
+            result.key = job.spec.job_id
+            self.outbox.to_client(job.client, p.FINAL, result)
+            self.stats.completed += 1
+            self.stats.observe_done(now - job.submitted_at)
+        self.dispatch(now)
+
+    def worker_error(self, identity: WorkerId, errors: list[p.ErrorItem], now: float) -> None:
+        worker = self.worker_seen(identity, now)
+        if worker is None:
+            return
+        for err in errors:
+            job = self._finish(worker, err.key)
+            if job is None:
+                continue
+            self.outbox.to_client(job.client, p.ERROR, p.ErrorItem(job.spec.job_id, err.code, err.message))
+            self.stats.failed += 1
+        self.dispatch(now)
+
+    def _finish(self, worker: WorkerState, ticket: object) -> Job | None:
+        job = worker.running.pop(ticket, None)  # type: ignore[call-overload]
+        if job is None:
+            self.stats.late_replies += 1
+            return None
+        worker.used -= job.cost
+        client = self.clients.get(job.client)
+        if client is not None:
+            client.running.pop(job.spec.job_id, None)
+        return job
+
+    def worker_gone(self, identity: WorkerId, reason: str, now: float) -> None:
+        """Purge a worker and requeue its jobs at the front of their clients' queues."""
+        worker = self.workers.pop(identity, None)
+        if worker is None:
+            return
+        requeued = failed = 0
+        for job in reversed(list(worker.running.values())):
+            client = self.clients.get(job.client)
+            if client is None or client.running.pop(job.spec.job_id, None) is None:
+                continue
+            if job.attempts >= self.config.max_attempts:
+                failed += 1
+                self.outbox.to_client(job.client, p.ERROR, p.ErrorItem(job.spec.job_id, "job_failed",
+                    f"job lost with {job.attempts} workers in a row (last: {worker.info.name}, {reason}); "
+                    "limit: max_attempts"))  # fmt: skip
+                continue
+            self._enqueue(client, job, front=True)
+            requeued += 1
+        self.stats.requeued += requeued
+        self.stats.failed += failed
+        log.info("worker %s gone (%s): %d jobs requeued, %d failed", worker.info.name, reason, requeued, failed)
+        self.dispatch(now)
+
+    # -- time ------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Expire silent workers and clients; send heartbeats to workers."""
+        cfg = self.config
+        for identity in [w for w, s in self.workers.items() if now - s.last_seen > cfg.worker_expiry]:
+            self.stats.workers_expired += 1
+            self.outbox.to_worker(identity, p.DISCONNECT, None)
+            self.worker_gone(identity, "heartbeat expired", now)
+        for identity in [c for c, s in self.clients.items() if now - s.last_seen > cfg.client_expiry]:
+            self.client_gone(identity, "heartbeat expired")
+        for identity in self.workers:
+            self.outbox.to_worker(identity, p.HEARTBEAT, None)
+
+    # -- dispatch --------------------------------------------------------------------------
+    def dispatch(self, now: float) -> None:
+        """Hand queued jobs to workers with free credits: least loaded worker first, one job
+        per client in turn (fair sharing), never to a worker older than a job's
+        ``min_weight_version``."""
+        if not self._waiting:
+            return
+        heap = [(w.load(), id(w), w) for w in self.workers.values() if w.accepting and w.free > 0]
+        if not heap:
+            return
+        heapq.heapify(heap)
+        blocked: list[ClientState] = []
+        waiting = self._waiting
+        while waiting and heap:
+            client = waiting.popleft()
+            job = self._head(client)
+            if job is None:
+                continue
+            worker = self._pick(heap, job)
+            if worker is None:
+                blocked.append(client)  # no eligible worker now; keep its place for later
+                continue
+            client.queue.popleft()
+            del client.queued[job.spec.job_id]
+            self.num_queued -= 1
+            self._assign(worker, client, job, now)
+            if worker.free > 0:
+                heapq.heappush(heap, (worker.load(), id(worker), worker))
+            if client.queue:
+                waiting.append(client)
+        waiting.extendleft(reversed(blocked))
+
+    @staticmethod
+    def _head(client: ClientState) -> Job | None:
+        queue = client.queue
+        while queue and queue[0].cancelled:
+            queue.popleft()
+        return queue[0] if queue else None
+
+    @staticmethod
+    def _pick(heap: list[tuple[float, int, WorkerState]], job: Job) -> WorkerState | None:
+        """Pop the least loaded worker that can take ``job``; others go back on the heap."""
+        skipped = []
+        found = None
+        while heap:
+            entry = heapq.heappop(heap)
+            w = entry[2]
+            fits = job.cost <= w.free or w.used == 0
+            if fits and w.weight_version >= job.spec.min_weight_version:
+                found = w
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _assign(self, worker: WorkerState, client: ClientState, job: Job, now: float) -> None:
+        job.ticket = next(self._tickets)
+        job.attempts += 1
+        job.dispatched_at = now
+        worker.running[job.ticket] = job
+        worker.used += job.cost
+        client.running[job.spec.job_id] = (worker.identity, job.ticket)
+        self.stats.observe_queue_wait(now - job.submitted_at)
+        self.outbox.to_worker(worker.identity, p.JOBS, p.Assignment(job.ticket, job.spec))
+
+    # -- status ----------------------------------------------------------------------------
+    def status(self, now: float) -> p.StatusReply:
+        workers = [
+            p.WorkerStatus(w.info.name, "ready" if w.accepting else "held", w.info.model, w.capacity,
+                           len(w.running), w.weight_version, round(now - w.last_seen, 3))
+            for w in self.workers.values()
+        ]  # fmt: skip
+        clients = [p.ClientStatus(c.name, len(c.queued), len(c.running)) for c in self.clients.values()]
+        running = sum(len(w.running) for w in self.workers.values())
+        return p.StatusReply(workers, clients, self.num_queued, running)

@@ -1,0 +1,246 @@
+"""The broker's socket loop: two ROUTER sockets around the pure ``Scheduler``.
+
+Each pass reads every message already waiting on both sockets (up to a bound), feeds them to
+the scheduler, then sends what its outbox holds, one message per peer and command. Bad
+input is answered and counted here and never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from zmq_rollout import codec
+from zmq_rollout import protocol as p
+from zmq_rollout.config import BrokerConfig
+from zmq_rollout.errors import ProtocolError
+
+from .outbox import CLIENT, WORKER
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+_READ_BATCH = 256  # messages per socket per pass, so that neither side starves the other
+_job_decoder = msgspec.msgpack.Decoder(p.JobSpec)
+_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_any = msgspec.msgpack.Decoder()
+
+
+def split_submit(header: Any) -> tuple[list[p.JobSpec], list[p.ErrorItem]]:
+    """Salvage a SUBMIT that failed to decode as a whole: valid jobs go on, each invalid one
+    gets an error naming its job id (when one can be read). Raises ProtocolError if the
+    header is not even a list."""
+    try:
+        raws = _raw_list.decode(header)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"invalid submit message: {exc}") from None
+    jobs, errors = [], []
+    for raw in raws:
+        try:
+            jobs.append(_job_decoder.decode(raw))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            try:
+                obj = _any.decode(raw)
+            except msgspec.DecodeError:
+                obj = None
+            key = obj[0] if isinstance(obj, list) and obj and isinstance(obj[0], str) else None
+            errors.append(p.ErrorItem(key, "invalid_request", f"invalid job: {exc}"))
+    return jobs, errors
+
+
+class Broker:
+    """Binds the frontend (clients) and backend (workers) and runs the loop."""
+
+    def __init__(self, config: BrokerConfig | None = None, context: zmq.Context[Any] | None = None) -> None:
+        self.config = config or BrokerConfig()
+        self.scheduler = Scheduler(self.config)
+        self._ctx = context or zmq.Context.instance()
+        self.frontend = self._router(self.config.frontend)
+        self.backend = self._router(self.config.backend)
+        self._from_client = codec.Decoder(codec.FROM_CLIENT)
+        self._from_worker = codec.Decoder(codec.FROM_WORKER)
+        self._stop = threading.Event()
+        self._metrics_server: Any = None
+
+    def _router(self, address: str) -> zmq.Socket[Any]:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Hard cap: ZeroMQ drops the connection of a peer that sends more than twice the
+        # soft limit; up to that, we answer with a clear error.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        sock.bind(address)
+        return sock
+
+    @property
+    def frontend_address(self) -> str:
+        return self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def backend_address(self) -> str:
+        return self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # -- loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until ``stop()``. Closes the sockets on the way out."""
+        if self.config.metrics_port is not None:
+            from .metrics import serve_metrics
+
+            self._metrics_server = serve_metrics(self.scheduler, self.config.metrics_port)
+        log.info("broker up: frontend %s, backend %s", self.frontend_address, self.backend_address)
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        interval = self.config.heartbeat_interval
+        next_tick = time.monotonic() + interval
+        try:
+            while not self._stop.is_set():
+                timeout_ms = max(0.0, min(next_tick - time.monotonic(), 0.1)) * 1000
+                ready = dict(poller.poll(timeout_ms))
+                now = time.monotonic()
+                if self.backend in ready:
+                    self._drain(self.backend, self._on_worker, now)
+                if self.frontend in ready:
+                    self._drain(self.frontend, self._on_client, now)
+                if now >= next_tick:
+                    self.scheduler.tick(now)
+                    next_tick = now + interval
+                self._flush(now)
+        finally:
+            self._close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _close(self) -> None:
+        self.frontend.close(linger=0)
+        self.backend.close(linger=0)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        log.info("broker stopped")
+
+    def _drain(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
+        for _ in range(_READ_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handler(frames[0].bytes, [f.buffer for f in frames[1:]], now)
+
+    def _flush(self, now: float) -> None:
+        for side, identity, command, body in self.scheduler.outbox.drain():
+            sock = self.frontend if side == CLIENT else self.backend
+            try:
+                sock.send_multipart([identity, *codec.encode(command, body)], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
+                log.warning("cannot send %s to %r: %s", p.COMMAND_NAMES.get(command), identity, exc.strerror)
+                self.scheduler.stats.count_malformed("unroutable")
+                if side == WORKER:
+                    self.scheduler.worker_gone(identity, f"unroutable: {exc.strerror}", now)
+                else:
+                    self.scheduler.client_gone(identity, f"unroutable: {exc.strerror}")
+        if len(self.scheduler.outbox):  # a purge above may have requeued and dispatched
+            self._flush(now)
+
+    # -- clients ---------------------------------------------------------------------------
+    def _reject(self, identity: bytes, reason: str, error: str, key: str | None = None) -> None:
+        self.scheduler.stats.count_malformed(reason)
+        log.warning("bad message from client %r: %s", identity, error)
+        self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(key, "protocol", error))
+
+    def _on_client(self, identity: bytes, frames: list[Any], now: float) -> None:
+        sched = self.scheduler
+        size = sum(len(f) for f in frames)
+        if size > self.config.max_message_bytes:
+            self._reject(identity, "oversize", f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}")
+            return
+        try:
+            msg = self._from_client.decode(frames)
+        except ProtocolError as exc:
+            if len(frames) >= 3 and bytes(frames[0]) == p.SIGNATURE and bytes(frames[1]) == p.SUBMIT:
+                self._salvage_submit(identity, frames[2], now)
+            else:
+                self._reject(identity, "invalid", str(exc))
+            return
+        command = msg.command
+        if command == p.SUBMIT:
+            if len(msg.body) > p.MAX_JOBS_PER_MESSAGE:
+                self._reject(identity, "oversize", f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}")
+                return
+            sched.submit(identity, msg.body, now)
+        elif command == p.HEARTBEAT:
+            sched.client_seen(identity, now)
+            sched.outbox.to_client(identity, p.HEARTBEAT, None)
+        elif command == p.CANCEL:
+            sched.cancel(identity, msg.body, now)
+        elif command == p.STATUS:
+            sched.client_seen(identity, now)
+            sched.outbox.to_client(identity, p.STATUS_REPLY, sched.status(now))
+        elif command == p.DISCONNECT:
+            sched.client_gone(identity, "client disconnected")
+
+    def _salvage_submit(self, identity: bytes, header: Any, now: float) -> None:
+        try:
+            jobs, errors = split_submit(header)
+        except ProtocolError as exc:
+            self._reject(identity, "invalid", str(exc))
+            return
+        for err in errors:
+            self._reject(identity, "invalid_job", err.message, err.key)  # type: ignore[arg-type]
+        if jobs:
+            self.scheduler.submit(identity, jobs, now)
+
+    # -- workers ---------------------------------------------------------------------------
+    def _on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:
+        sched = self.scheduler
+        try:
+            msg = self._from_worker.decode(frames)
+        except ProtocolError as exc:
+            sched.stats.count_malformed("worker")
+            log.warning("bad message from worker %r: %s", identity, exc)
+            sched.worker_seen(identity, now)
+            return
+        command, body = msg.command, msg.body
+        if command == p.FINAL:
+            sched.worker_final(identity, body, now)
+        elif command == p.PARTIAL:
+            sched.worker_partial(identity, body, now)
+        elif command == p.HEARTBEAT:
+            sched.worker_seen(identity, now)
+        elif command == p.READY:
+            sched.worker_ready(identity, body, now)
+        elif command == p.ERROR:
+            sched.worker_error(identity, body, now)
+        elif command == p.CREDIT:
+            sched.worker_credit(identity, body, now)
+        elif command == p.DISCONNECT:
+            sched.worker_gone(identity, "worker left", now)
+        elif command == p.CONTROL_ACK:
+            sched.worker_seen(identity, now)  # weight-sync rounds: next issue
+
+
+class BrokerThread:
+    """A broker running on a background thread: for tests, the demo and embedding."""
+
+    def __init__(self, config: BrokerConfig | None = None) -> None:
+        self.broker = Broker(config)
+        self._thread = threading.Thread(target=self.broker.run, name="zmq-rollout-broker", daemon=True)
+
+    def __enter__(self) -> BrokerThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.broker.stop()
+        self._thread.join(timeout=10)

@@ -1,0 +1,1 @@
+"""zmq-rollout workers: stateless processes around vLLM AsyncLLM engines."""

@@ -1,0 +1,98 @@
+"""Framing and msgpack (de)coding of protocol messages.
+
+``encode`` turns a command and a body into frames; ``decode`` checks the signature, demuxes
+on the command byte and decodes the header with that command's typed decoder. Both sides
+use the same table, so a message one side can encode is a message the other can decode.
+
+Why msgspec (measured by ``benchmarks/codec.py``): decoding a 64-job SUBMIT into validated
+typed Structs is several times faster than ``msgpack.unpackb`` into dicts *followed by* the
+same validation in Python, and the bytes are plain msgpack either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+
+from zmq_rollout import protocol as p
+from zmq_rollout.errors import ProtocolError
+
+_encoder = msgspec.msgpack.Encoder()
+
+# The body type of each command, per direction. Commands shared by two directions with a
+# different body (CANCEL: job ids from clients, tickets to workers) are listed per table.
+FROM_CLIENT: dict[bytes, Any] = {
+    p.SUBMIT: list[p.JobSpec],
+    p.CANCEL: list[str],
+    p.STATUS: None,
+    p.HEARTBEAT: None,
+    p.DISCONNECT: None,
+}
+TO_CLIENT: dict[bytes, Any] = {
+    p.ACCEPTED: list[str],
+    p.PARTIAL: list[p.Delta],
+    p.FINAL: list[p.Result],
+    p.ERROR: list[p.ErrorItem],
+    p.BUSY: list[p.ErrorItem],
+    p.STATUS_REPLY: p.StatusReply,
+    p.HEARTBEAT: None,
+}
+FROM_WORKER: dict[bytes, Any] = {
+    p.READY: p.WorkerInfo,
+    p.CREDIT: int,
+    p.PARTIAL: list[p.Delta],
+    p.FINAL: list[p.Result],
+    p.ERROR: list[p.ErrorItem],
+    p.HEARTBEAT: None,
+    p.CONTROL_ACK: p.ControlAck,
+    p.DISCONNECT: None,
+}
+TO_WORKER: dict[bytes, Any] = {
+    p.JOBS: list[p.Assignment],
+    p.CANCEL: list[int],
+    p.CONTROL: p.Control,
+    p.HEARTBEAT: None,
+    p.DISCONNECT: None,
+}
+
+
+class Message(NamedTuple):
+    command: bytes
+    body: Any
+    blobs: Sequence[Any] = ()
+
+
+class Decoder:
+    """Decodes the messages of one direction (one of the tables above)."""
+
+    def __init__(self, table: dict[bytes, Any]) -> None:
+        self._decoders = {cmd: msgspec.msgpack.Decoder(t) for cmd, t in table.items() if t is not None}
+        self._commands = frozenset(table)
+
+    def decode(self, frames: Sequence[Any]) -> Message:
+        """Decode ``[signature, command, header, *blobs]`` (no identity). Raises ProtocolError."""
+        if len(frames) < 3:
+            raise ProtocolError(f"expected at least 3 frames (signature, command, header), got {len(frames)}")
+        signature, command, header = frames[0], bytes(frames[1]), frames[2]
+        if bytes(signature) != p.SIGNATURE:
+            raise ProtocolError(f"bad protocol signature {bytes(signature)[:8]!r}, expected {p.SIGNATURE!r}")
+        if command not in self._commands:
+            raise ProtocolError(f"unknown command {command!r}")
+        decoder = self._decoders.get(command)
+        try:
+            body = decoder.decode(header) if decoder is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            name = p.COMMAND_NAMES.get(command, "?")
+            raise ProtocolError(f"invalid {name} message: {exc}") from None
+        return Message(command, body, frames[3:])
+
+
+def encode_body(body: Any) -> bytes:
+    return _encoder.encode(body)
+
+
+def encode(command: bytes, body: Any = None, blobs: Sequence[Any] = ()) -> list[Any]:
+    """Frames for ``command`` with ``body`` (no identity)."""
+    return [p.SIGNATURE, command, _encoder.encode(body), *blobs]

@@ -1,0 +1,76 @@
+"""The one error tree of zmq-rollout.
+
+::
+
+    RolloutError
+    ├── ProtocolError            a frame or message broke the wire contract
+    ├── InvalidRequestError      the request itself is wrong (bad sampling, unknown model, too long)
+    ├── BusyError                the broker's queue for this client is full; retry later
+    ├── JobFailedError           a worker accepted the job and it failed there
+    ├── JobCancelledError        the job was cancelled before it finished
+    ├── RolloutTimeoutError      nothing came back in time (the message names the setting)
+    └── ClientClosedError        the client was closed while the call was pending
+
+Errors that cross the wire carry a ``code`` (a short string, see ``ErrorCode``); the
+client turns each code into exactly one class here, in ``error_from_code``. ZeroMQ
+errors are translated in exactly one place too (``zmq_rollout.transport``).
+"""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base class of every error raised by zmq-rollout."""
+
+    code = "internal"
+
+    def __init__(self, message: str, *, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
+class ProtocolError(RolloutError):
+    code = "protocol"
+
+
+class InvalidRequestError(RolloutError):
+    code = "invalid_request"
+
+
+class BusyError(RolloutError):
+    code = "busy"
+
+
+class JobFailedError(RolloutError):
+    code = "job_failed"
+
+
+class JobCancelledError(RolloutError):
+    code = "cancelled"
+
+
+class RolloutTimeoutError(RolloutError, TimeoutError):
+    code = "timeout"
+
+
+class ClientClosedError(RolloutError):
+    code = "closed"
+
+
+_BY_CODE: dict[str, type[RolloutError]] = {
+    cls.code: cls
+    for cls in (
+        ProtocolError,
+        InvalidRequestError,
+        BusyError,
+        JobFailedError,
+        JobCancelledError,
+        RolloutTimeoutError,
+        ClientClosedError,
+    )
+}
+
+
+def error_from_code(code: str, message: str, job_id: str | None = None) -> RolloutError:
+    """Build the error class that a wire ``code`` stands for (unknown codes → RolloutError)."""
+    return _BY_CODE.get(code, RolloutError)(message, job_id=job_id)

@@ -1,0 +1,255 @@
+"""The zmq-rollout wire protocol, version 1 (``ZR1``): commands and message bodies.
+
+Every message is a list of ZeroMQ frames::
+
+    [identity]  only on a ROUTER socket (added/removed by ZeroMQ)
+    b"ZR1"      protocol signature and version
+    command     one byte, see the constants below; the receiver demuxes on it first
+    header      one msgpack object, the command's body (schemas below)
+    blobs...    optional raw frames, referenced by index from a header (weight sync)
+
+Bodies are msgspec Structs with ``array_like=True``: a Struct is a msgpack *array* of its
+fields in declaration order; trailing fields equal to their default may be omitted.
+docs/protocol.md documents each one for implementers in other languages.
+
+Validation is part of decoding: types by msgspec, ranges and cross-field rules in
+``__post_init__`` (which also runs when a Struct is built in Python), so a message that
+decodes is a message the receiver can act on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+SIGNATURE = b"ZR1"
+
+# -- commands ------------------------------------------------------------------------------
+# client -> broker
+SUBMIT = b"\x01"  # list[JobSpec]; one or many jobs
+CANCEL = b"\x02"  # list[str] job ids (client) / list[int] tickets (broker -> worker)
+STATUS = b"\x03"  # nil
+HEARTBEAT = b"\x04"  # nil; both ways, client<->broker and worker<->broker
+DISCONNECT = b"\x05"  # nil; client->broker "I am leaving"; broker->worker "reconnect fresh"
+# broker -> client
+ACCEPTED = b"\x11"  # list[str] job ids now queued
+PARTIAL = b"\x12"  # list[Delta]; also worker -> broker (keyed by ticket)
+FINAL = b"\x13"  # list[Result]; also worker -> broker (keyed by ticket)
+ERROR = b"\x14"  # list[ErrorItem]; also worker -> broker (keyed by ticket)
+BUSY = b"\x15"  # list[ErrorItem]: the client's queue is full, retry later
+STATUS_REPLY = b"\x16"  # StatusReply
+# worker -> broker
+READY = b"\x21"  # WorkerInfo: register (or re-register) with credits
+CREDIT = b"\x22"  # int: the worker's capacity changed (absolute number of credits)
+CONTROL_ACK = b"\x23"  # ControlAck: answer to a CONTROL step (weight sync)
+# broker -> worker
+JOBS = b"\x31"  # list[Assignment]
+CONTROL = b"\x32"  # Control: a step of a control round (weight sync); reserved in v1
+
+COMMAND_NAMES = {
+    SUBMIT: "submit", CANCEL: "cancel", STATUS: "status", HEARTBEAT: "heartbeat",
+    DISCONNECT: "disconnect", ACCEPTED: "accepted", PARTIAL: "partial", FINAL: "final",
+    ERROR: "error", BUSY: "busy", STATUS_REPLY: "status_reply", READY: "ready",
+    CREDIT: "credit", CONTROL_ACK: "control_ack", JOBS: "jobs", CONTROL: "control",
+}  # fmt: skip
+
+# -- limits (checked on decode) --------------------------------------------------------------
+MAX_JOB_ID = 128
+MAX_JOBS_PER_MESSAGE = 4096
+MAX_PROMPT_CHARS = 1 << 20
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_N = 256
+MAX_TOKENS = 1 << 20
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES = 1024
+
+
+class Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire body. Extra trailing array items are ignored (forward compatible)."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _finite(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    _require(isinstance(value, (int, float)) and math.isfinite(value), f"{name} must be a finite number")
+    low_ok = value > lo if lo_open else value >= lo
+    _require(low_ok and value <= hi, f"{name}={value} is outside {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+def _int(name: str, value: int, lo: int, hi: int) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer")
+    _require(lo <= value <= hi, f"{name}={value} is outside [{lo}, {hi}]")
+
+
+class SamplingParams(Struct):
+    """How to sample. Validated on construction and on decode, before anything reaches vLLM.
+
+    ``logprobs`` is how many *top* logprobs to return per token beside the sampled token's
+    own logprob, which every rollout always carries (processed: after temperature/top-k/top-p).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: list[str] = []
+    seed: int | None = None
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _int("n", self.n, 1, MAX_N)
+        _finite("temperature", self.temperature, 0.0, 100.0)
+        _finite("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _int("top_k", self.top_k, -1, 1 << 20)
+        _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
+        _require(isinstance(self.stop, list) and len(self.stop) <= MAX_STOP, f"stop takes at most {MAX_STOP} strings")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        if self.seed is not None:
+            _int("seed", self.seed, 0, (1 << 63) - 1)
+        _int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str
+
+
+class JobSpec(Struct):
+    """One inference job. Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``.
+
+    ``min_weight_version``: the broker never dispatches the job to a worker whose weights
+    are older (weight sync; 0 accepts any worker).
+    """
+
+    job_id: str
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    stream: bool = False
+    min_weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID,
+                 f"job_id must be a string of 1..{MAX_JOB_ID} characters")  # fmt: skip
+        given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
+        _require(sum(given) == 1, "give exactly one of prompt, messages, prompt_token_ids")
+        if self.prompt is not None:
+            _require(0 < len(self.prompt) <= MAX_PROMPT_CHARS, "prompt must be 1..1 MiB characters")
+        if self.messages is not None:
+            _require(0 < len(self.messages) <= MAX_MESSAGES, f"messages must hold 1..{MAX_MESSAGES} items")
+        if self.prompt_token_ids is not None:
+            ids = self.prompt_token_ids
+            _require(0 < len(ids) <= MAX_PROMPT_TOKENS, "prompt_token_ids must hold 1..1M ids")
+            _require(min(ids) >= 0, "prompt_token_ids must be non-negative")
+        _int("min_weight_version", self.min_weight_version, 0, (1 << 63) - 1)
+
+    def cost(self) -> int:
+        """Credits this job occupies on a worker: one per sequence."""
+        return self.sampling.n
+
+
+class Assignment(Struct):
+    """broker -> worker: run ``job`` under ``ticket`` (the broker's id for this attempt)."""
+
+    ticket: int
+    job: JobSpec
+
+
+class Delta(Struct):
+    """Streamed tokens of one sample. ``key`` is the job id (to clients) or ticket (from workers)."""
+
+    key: str | int
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Sample(Struct):
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+class Result(Struct):
+    """The final answer of a job. ``key`` is the job id (to clients) or ticket (from workers)."""
+
+    key: str | int
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    weight_version: int
+    worker_id: str
+
+
+class ErrorItem(Struct):
+    """An error about one job (``key``) or about the whole message (``key`` is None)."""
+
+    key: str | int | None
+    code: str
+    message: str
+
+
+class WorkerInfo(Struct):
+    """worker -> broker READY: who I am and how much I can take."""
+
+    name: str
+    model: str
+    credits: int
+    weight_version: int = 0
+    capabilities: list[str] = []
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        _require(0 < len(self.name) <= 256, "worker name must be 1..256 characters")
+        _int("credits", self.credits, 0, 1 << 20)
+        _int("weight_version", self.weight_version, 0, (1 << 63) - 1)
+
+
+class Control(Struct):
+    """broker -> worker: a step of a control round (weight sync). Reserved in protocol v1."""
+
+    round_id: int
+    op: str
+    args: dict[str, Any] = {}
+
+
+class ControlAck(Struct):
+    round_id: int
+    op: str
+    ok: bool
+    weight_version: int
+    message: str = ""
+
+
+class WorkerStatus(Struct):
+    name: str
+    state: str
+    model: str
+    credits: int
+    in_flight: int
+    weight_version: int
+    idle_seconds: float
+
+
+class ClientStatus(Struct):
+    name: str
+    queued: int
+    running: int
+
+
+class StatusReply(Struct):
+    workers: list[WorkerStatus]
+    clients: list[ClientStatus]
+    queued: int
+    running: int

@@ -1,0 +1,116 @@
+"""Test doubles. NOT the product: the real worker is ``zmq_rollout.workers`` around vLLM.
+
+``EchoWorkerDouble`` speaks the worker side of the protocol and answers every job at once
+with a fake completion. It exists to measure and test the *broker* (throughput, requeue,
+cancel) without an engine's cost hiding the broker's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from zmq_rollout import codec
+from zmq_rollout import protocol as p
+
+
+def echo_result(assignment: p.Assignment, name: str, weight_version: int) -> p.Result:
+    """A fake completion: the prompt's token ids (or its length) echoed back."""
+    job = assignment.job
+    prompt_ids = job.prompt_token_ids or [len(job.prompt or "")]
+    samples = [p.Sample(i, list(prompt_ids[:4]), [0.0] * min(4, len(prompt_ids)), "length") for i in range(job.sampling.n)]
+    return p.Result(assignment.ticket, prompt_ids, samples, weight_version, name)
+
+
+class EchoWorkerDouble:
+    """A worker double. ``run()`` serves until ``stop()``; ``die()`` stops without a goodbye,
+    like a SIGKILLed process (the broker must notice by heartbeat expiry).
+
+    ``hold=True`` keeps jobs without answering them until ``release()``, to test requeue.
+    """
+
+    def __init__(self, address: str, *, credits: int = 64, name: str | None = None, heartbeat: float = 0.2,
+                 hold: bool = False, weight_version: int = 0) -> None:  # fmt: skip
+        self.address = address
+        self.name = name or f"echo-double-{uuid.uuid4().hex[:6]}"
+        self.credits = credits
+        self.heartbeat = heartbeat
+        self.hold = hold
+        self.weight_version = weight_version
+        self.held: list[p.Assignment] = []
+        self.received: list[p.Assignment] = []
+        self.cancelled: list[int] = []
+        self.disconnects = 0
+        self._stop = threading.Event()
+        self._silent = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> EchoWorkerDouble:
+        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def die(self) -> None:
+        self._silent = True
+        self.stop()
+
+    def run(self) -> None:
+        ctx = zmq.Context.instance()
+        decoder = codec.Decoder(codec.TO_WORKER)
+        sock = self._connect(ctx)
+        next_beat = time.monotonic() + self.heartbeat
+        try:
+            while not self._stop.is_set():
+                if sock.poll(int(self.heartbeat * 1000 / 2)):
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        sock = self._handle(ctx, sock, decoder.decode(frames))
+                if time.monotonic() >= next_beat:
+                    sock.send_multipart(codec.encode(p.HEARTBEAT))
+                    next_beat = time.monotonic() + self.heartbeat
+            if not self._silent:
+                sock.send_multipart(codec.encode(p.DISCONNECT))
+        finally:
+            sock.close(linger=0)
+
+    def _connect(self, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"{self.name}-{uuid.uuid4().hex[:6]}".encode())
+        sock.connect(self.address)
+        info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, ["echo"])
+        sock.send_multipart(codec.encode(p.READY, info))
+        return sock
+
+    def _handle(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any], msg: codec.Message) -> zmq.Socket[Any]:
+        if msg.command == p.JOBS:
+            self.received.extend(msg.body)
+            if self.hold:
+                self.held.extend(msg.body)
+            else:
+                results = [echo_result(a, self.name, self.weight_version) for a in msg.body]
+                sock.send_multipart(codec.encode(p.FINAL, results))
+        elif msg.command == p.CANCEL:
+            self.cancelled.extend(msg.body)
+            self.held = [a for a in self.held if a.ticket not in msg.body]
+        elif msg.command == p.DISCONNECT:
+            self.disconnects += 1
+            sock.close(linger=0)
+            return self._connect(ctx)
+        return sock
+
+    def release(self) -> None:
+        """Stop holding (new jobs are answered; held ones stay unanswered)."""
+        self.hold = False
