@@ -1,0 +1,149 @@
+"""One vLLM AsyncLLM engine, and the translation between our jobs and vLLM's requests.
+
+Only stable AsyncLLM APIs are used (``from_engine_args``, ``generate``, ``abort``,
+``reset_prefix_cache``, ``collective_rpc``, ``errored``), so the same code runs on vLLM
+0.25.1 (CUDA) and 0.32.0 (CPU); engine arguments newer than 0.25 are feature-detected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from zmq_rollout import protocol as p
+from zmq_rollout.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+class InvalidJob(ValueError):
+    """The job cannot run on this engine (too long, token id out of range, ...)."""
+
+
+def engine_args(config: WorkerConfig) -> Any:
+    """``AsyncEngineArgs`` for ``config``; arguments this vLLM lacks are left out."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    wanted: dict[str, Any] = {
+        "model": config.model,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "max_num_seqs": config.max_num_seqs,
+        "max_model_len": config.max_model_len,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "dtype": config.dtype,
+        "enforce_eager": config.enforce_eager,
+        "seed": config.seed,
+        "logprobs_mode": "processed_logprobs",  # logprobs after temperature/top-k/top-p
+        "max_logprobs": p.MAX_TOP_LOGPROBS,
+        "disable_log_stats": True,
+        "enable_prefix_caching": True,
+    }
+    if config.attention_backend:
+        wanted["attention_backend"] = config.attention_backend
+    dropped = sorted(k for k in wanted if k not in fields)
+    if dropped:
+        log.info("this vLLM has no engine argument(s) %s; left out", ", ".join(dropped))
+    return AsyncEngineArgs(**{k: v for k, v in wanted.items() if k in fields})
+
+
+def vllm_sampling(s: p.SamplingParams, *, stream: bool) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k >= 1 else -1,
+        max_tokens=s.max_tokens,
+        stop=list(s.stop) or None,
+        seed=s.seed,
+        logprobs=s.logprobs,  # 0: the sampled token's logprob only
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def sampled_logprobs(token_ids: Any, logprobs: Any, top: int) -> tuple[list[float], list[dict[int, float]] | None]:
+    """The sampled tokens' logprobs, and the top-``top`` logprobs per position if asked."""
+    if logprobs is None:
+        return [], None
+    chosen = [float(pos[tok].logprob) for tok, pos in zip(token_ids, logprobs)]
+    if not top:
+        return chosen, None
+    tops = [{int(t): float(lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top} for pos in logprobs]
+    return chosen, tops
+
+
+class Engine:
+    """An AsyncLLM plus what the worker needs around it: tokenizing, limits, results."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.config = config
+        self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        vcfg = self.llm.vllm_config
+        self.max_model_len: int = vcfg.model_config.max_model_len
+        self.vocab_size: int = vcfg.model_config.get_vocab_size()
+        self.max_num_seqs: int = vcfg.scheduler_config.max_num_seqs
+        self.tokenizer = self.llm.get_tokenizer()
+        self.weight_version = 0
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.llm.errored)
+
+    def prompt_ids(self, job: p.JobSpec) -> list[int]:
+        if job.prompt_token_ids is not None:
+            ids = job.prompt_token_ids
+        elif job.prompt is not None:
+            ids = self.tokenizer.encode(job.prompt)
+        else:
+            assert job.messages is not None
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in job.messages], tokenize=False, add_generation_prompt=True
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if max(ids) >= self.vocab_size:
+            raise InvalidJob(f"prompt token id {max(ids)} is out of range for a vocabulary of {self.vocab_size}")
+        if len(ids) + job.sampling.max_tokens > self.max_model_len:
+            raise InvalidJob(
+                f"prompt ({len(ids)} tokens) + max_tokens ({job.sampling.max_tokens}) exceeds the model's "
+                f"max_model_len of {self.max_model_len}"
+            )
+        return list(ids)
+
+    async def run(self, request_id: str, job: p.JobSpec) -> AsyncIterator[p.Delta | p.Result]:
+        """Run a job: ``Delta``s (if ``job.stream``), then one ``Result``. Keys are left 0."""
+        ids = self.prompt_ids(job)
+        params = vllm_sampling(job.sampling, stream=job.stream)
+        top = job.sampling.logprobs
+        samples: dict[int, p.Sample] = {}
+        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
+            for comp in out.outputs:
+                tokens = list(comp.token_ids)
+                chosen, tops = sampled_logprobs(tokens, comp.logprobs, top)
+                sample = samples.get(comp.index)
+                if sample is None:
+                    sample = samples[comp.index] = p.Sample(comp.index, [], [], "", [] if top else None)
+                sample.token_ids.extend(tokens)
+                sample.logprobs.extend(chosen)
+                if tops is not None and sample.top_logprobs is not None:
+                    sample.top_logprobs.extend(tops)
+                if comp.finish_reason is not None:
+                    sample.finish_reason = str(comp.finish_reason)
+                if job.stream and tokens:
+                    yield p.Delta(0, comp.index, tokens, chosen)
+        ordered = [samples[i] for i in sorted(samples)]
+        yield p.Result(0, ids, ordered, self.weight_version, "")
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            await self.llm.abort(request_ids)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,0 +1,103 @@
+"""Running workers: one engine in this process, or one process per engine (``--gpus``).
+
+``--gpus 0,1`` with tensor parallel 1 runs two engines (data parallel), each in its own
+worker process that sees one GPU; with tensor parallel 2 it runs one engine over both.
+Every engine is a separate worker to the broker, so "least loaded first" spreads jobs
+across them. If any engine process fails, the others are stopped and the exit code is
+passed up, so a supervisor (systemd, k8s) restarts the set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from zmq_rollout.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+def plan_engines(gpus: str, tensor_parallel_size: int) -> list[str]:
+    """Split a GPU list into one ``CUDA_VISIBLE_DEVICES`` value per engine."""
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not ids:
+        return [""]
+    tp = tensor_parallel_size
+    if tp < 1 or len(ids) % tp:
+        raise ValueError(f"{len(ids)} GPUs ({gpus}) cannot be split into engines of tensor_parallel_size={tp}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"GPU list {gpus!r} names a GPU twice")
+    return [",".join(ids[i : i + tp]) for i in range(0, len(ids), tp)]
+
+
+async def _serve(config: WorkerConfig) -> int:
+    from .engine import Engine
+    from .worker import Worker
+
+    started = time.monotonic()
+    engine = Engine(config)
+    log.info("engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
+             time.monotonic() - started, config.model, engine.max_model_len, engine.max_num_seqs)  # fmt: skip
+    worker = Worker(config, engine)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    try:
+        return await worker.run()
+    finally:
+        engine.shutdown()
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Run the worker(s) that ``config`` asks for; returns the process exit code."""
+    groups = plan_engines(config.gpus, config.tensor_parallel_size)
+    if len(groups) == 1:
+        if groups[0]:
+            os.environ["CUDA_VISIBLE_DEVICES"] = groups[0]
+        return asyncio.run(_serve(config))
+    return _supervise(config, groups)
+
+
+def _supervise(config: WorkerConfig, groups: list[str]) -> int:
+    children = []
+    for i, group in enumerate(groups):
+        name = f"{config.name or 'worker'}-gpu{group.replace(',', '_')}"
+        port = None if config.metrics_port is None else config.metrics_port + i
+        child = dataclasses.replace(config, gpus=group, name=name, metrics_port=port)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
+        children.append(subprocess.Popen([sys.executable, "-m", "zmq_rollout.cli", "worker", *cli_args(child)], env=env))
+    signal.signal(signal.SIGTERM, lambda *_: [c.terminate() for c in children])
+    code = 0
+    try:
+        while all(c.poll() is None for c in children):
+            time.sleep(0.5)
+        code = next(c.returncode for c in children if c.returncode is not None)
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.terminate()
+        for c in children:
+            c.wait()
+    log.info("engine process exited with %d; stopped the others", code)
+    return code
+
+
+def cli_args(config: WorkerConfig) -> list[str]:
+    """The ``zmq-rollout worker`` arguments that reproduce ``config``."""
+    args = ["--broker", config.broker, "--model", config.model, "--gpus", config.gpus,
+            "--tensor-parallel-size", str(config.tensor_parallel_size), "--max-num-seqs", str(config.max_num_seqs),
+            "--max-model-len", str(config.max_model_len), "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+            "--dtype", config.dtype, "--name", config.name, "--seed", str(config.seed)]  # fmt: skip
+    if not config.enforce_eager:
+        args.append("--no-enforce-eager")
+    if config.attention_backend:
+        args += ["--attention-backend", config.attention_backend]
+    if config.metrics_port is not None:
+        args += ["--metrics-port", str(config.metrics_port)]
+    return args

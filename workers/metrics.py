@@ -1,0 +1,37 @@
+"""A worker's Prometheus metrics (own registry): tokens generated, job latency, failures."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from zmq_rollout.metrics import MetricsServer, start_metrics_server
+
+_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.tokens = Counter("zmq_rollout_worker_generated_tokens", "Tokens generated (all samples).", registry=self.registry)
+        self.jobs = Counter("zmq_rollout_worker_jobs", "Jobs finished with a result.", registry=self.registry)
+        self.jobs_failed = Counter("zmq_rollout_worker_jobs_failed", "Jobs that ended in an error, by code.",
+                                   ["code"], registry=self.registry)  # fmt: skip
+        self.latency = Histogram("zmq_rollout_worker_job_latency_seconds", "Job start to final result on this worker.",
+                                 buckets=_BUCKETS, registry=self.registry)  # fmt: skip
+        self.malformed = Counter("zmq_rollout_worker_malformed_messages", "Messages from the broker that failed to decode.",
+                                 registry=self.registry)  # fmt: skip
+        self._server: MetricsServer | None = None
+
+    def job_done(self, seconds: float, num_tokens: int) -> None:
+        self.jobs.inc()
+        self.tokens.inc(num_tokens)
+        self.latency.observe(seconds)
+
+    def serve(self, port: int) -> int:
+        self._server = start_metrics_server(self.registry, port)
+        return self._server.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

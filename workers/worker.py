@@ -1,0 +1,199 @@
+"""The worker: one engine, one DEALER to the broker, pull-based.
+
+Lifecycle (Paranoid Pirate): connect under a fresh identity and say READY with credits;
+heartbeat both ways; on DISCONNECT or broker silence, abort everything in flight (the
+broker has requeued it) and reconnect fresh. If the engine dies, say DISCONNECT (so the
+broker requeues at once) and exit non-zero; never hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from zmq_rollout import codec
+from zmq_rollout import protocol as p
+from zmq_rollout.config import WorkerConfig
+from zmq_rollout.errors import ProtocolError
+
+from .engine import Engine, InvalidJob
+from .metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 3
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: Engine, metrics: WorkerMetrics | None = None) -> None:
+        self.config = config
+        self.engine = engine
+        self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = metrics or WorkerMetrics()
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._decoder = codec.Decoder(codec.TO_WORKER)
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # ticket -> job task
+        self._outgoing: dict[bytes, list[Any]] = {}
+        self._flush_scheduled = False
+        self._last_heard = 0.0
+        self._exit: asyncio.Future[int] | None = None
+
+    # -- connection ------------------------------------------------------------------------
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"{self.name}-{uuid.uuid4().hex[:6]}".encode())
+        sock.connect(self.config.broker)
+        self._sock = sock
+        self._last_heard = time.monotonic()
+        info = p.WorkerInfo(self.name, self.config.model, self.engine.max_num_seqs, self.engine.weight_version,
+                            ["generate", "stream", "chat"], self.engine.max_model_len)  # fmt: skip
+        self._send_now(p.READY, info)
+        log.info("worker %s: READY to %s with %d credits", self.name, self.config.broker, info.credits)
+
+    async def _reconnect(self, reason: str) -> None:
+        log.warning("worker %s: reconnecting (%s); aborting %d jobs", self.name, reason, len(self._tasks))
+        await self._abort_all()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._outgoing.clear()
+        self._connect()
+
+    def _send_now(self, command: bytes, body: Any) -> None:
+        assert self._sock is not None
+        self._sock.send_multipart(codec.encode(command, body))
+
+    def _queue(self, command: bytes, item: Any) -> None:
+        """Send ``item`` soon, in one message with the others queued in this loop pass."""
+        self._outgoing.setdefault(command, []).append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._outgoing = self._outgoing, {}
+        for command, items in pending.items():
+            self._send_now(command, items)
+
+    # -- main ------------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Serve until stopped (``stop()``) or the engine dies; returns the exit code."""
+        self._exit = asyncio.get_running_loop().create_future()
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port)
+        self._connect()
+        background = [asyncio.ensure_future(c) for c in (self._receive(), self._heartbeat(), self._watch_engine())]
+        try:
+            return await self._exit
+        finally:
+            for task in background:
+                task.cancel()
+            await self._abort_all()
+            if self._sock is not None:
+                self._send_now(p.DISCONNECT, None)  # the broker requeues at once
+                self._sock.close(linger=0)
+            self.metrics.close()
+
+    def stop(self, code: int = EXIT_OK) -> None:
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(code)
+
+    def _engine_dead(self, detail: str) -> None:
+        log.error("worker %s: engine died (%s); exiting with code %d", self.name, detail, EXIT_ENGINE_DEAD)
+        self.stop(EXIT_ENGINE_DEAD)
+
+    async def _watch_engine(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.engine.errored:
+                self._engine_dead("engine core reported an error")
+                return
+
+    async def _heartbeat(self) -> None:
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval)
+            if time.monotonic() - self._last_heard > cfg.heartbeat_interval * cfg.broker_liveness:
+                await self._reconnect("broker silent")
+            else:
+                self._send_now(p.HEARTBEAT, None)
+
+    async def _receive(self) -> None:
+        while True:
+            assert self._sock is not None
+            sock = self._sock
+            if not await sock.poll(100):
+                continue
+            frames = await sock.recv_multipart()
+            self._last_heard = time.monotonic()
+            try:
+                msg = self._decoder.decode(frames)
+            except ProtocolError as exc:
+                self.metrics.malformed.inc()
+                log.warning("worker %s: bad message from broker: %s", self.name, exc)
+                continue
+            if msg.command == p.JOBS:
+                for assignment in msg.body:
+                    self._start(assignment)
+            elif msg.command == p.CANCEL:
+                await self._cancel(msg.body)
+            elif msg.command == p.DISCONNECT:
+                await self._reconnect("broker said DISCONNECT")
+            elif msg.command == p.CONTROL:
+                self._send_now(p.CONTROL_ACK, p.ControlAck(msg.body.round_id, msg.body.op, False,
+                               self.engine.weight_version, "control rounds are not supported by this worker"))  # fmt: skip
+
+    # -- jobs ------------------------------------------------------------------------------
+    def _start(self, assignment: p.Assignment) -> None:
+        ticket = assignment.ticket
+        if ticket in self._tasks:
+            return
+        self._tasks[ticket] = asyncio.ensure_future(self._run_job(assignment))
+
+    async def _run_job(self, assignment: p.Assignment) -> None:
+        ticket, job = assignment.ticket, assignment.job
+        started = time.monotonic()
+        try:
+            async for item in self.engine.run(str(ticket), job):
+                item.key = ticket
+                if isinstance(item, p.Delta):
+                    self._queue(p.PARTIAL, item)
+                else:
+                    item.worker_id = self.name
+                    self._queue(p.FINAL, item)
+                    self.metrics.job_done(time.monotonic() - started, sum(len(s.token_ids) for s in item.samples))
+        except asyncio.CancelledError:
+            raise
+        except (InvalidJob, ValueError, TypeError) as exc:
+            self.metrics.jobs_failed.labels("invalid_request").inc()
+            self._queue(p.ERROR, p.ErrorItem(ticket, "invalid_request", str(exc)))
+        except Exception as exc:
+            if self.engine.errored:
+                self._engine_dead(repr(exc))
+                return  # no answer: the broker requeues the job on another worker
+            log.exception("worker %s: job %d failed", self.name, ticket)
+            self.metrics.jobs_failed.labels("job_failed").inc()
+            self._queue(p.ERROR, p.ErrorItem(ticket, "job_failed", f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._tasks.pop(ticket, None)
+
+    async def _cancel(self, tickets: list[int]) -> None:
+        tasks = [self._tasks.pop(t) for t in tickets if t in self._tasks]
+        for task in tasks:
+            task.cancel()
+        await self.engine.abort([str(t) for t in tickets])
+
+    async def _abort_all(self) -> None:
+        if self._tasks:
+            await self._cancel(list(self._tasks))
