@@ -151,10 +151,10 @@ class Broker:
             self._flush(now)
 
     # -- clients ---------------------------------------------------------------------------
-    def _reject(self, identity: bytes, reason: str, error: str, key: str | None = None) -> None:
+    def _reject(self, identity: bytes, reason: str, error: str, key: str | None = None, code: str = "protocol") -> None:
         self.scheduler.stats.count_malformed(reason)
         log.warning("bad message from client %r: %s", identity, error)
-        self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(key, "protocol", error))
+        self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(key, code, error))
 
     def _on_client(self, identity: bytes, frames: list[Any], now: float) -> None:
         sched = self.scheduler
@@ -194,7 +194,7 @@ class Broker:
             self._reject(identity, "invalid", str(exc))
             return
         for err in errors:
-            self._reject(identity, "invalid_job", err.message, err.key)  # type: ignore[arg-type]
+            self._reject(identity, "invalid_job", err.message, err.key, "invalid_request")  # type: ignore[arg-type]
         if jobs:
             self.scheduler.submit(identity, jobs, now)
 

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-
+import zmq
 from zmq_rollout.broker.scheduler import Scheduler
 from zmq_rollout.broker.server import BrokerThread
 from zmq_rollout.broker.stats import BrokerStats
+
 from zmq_rollout.client import RolloutClient
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.testing import EchoWorkerDouble
@@ -73,12 +74,18 @@ def start_broker() -> Iterator[Callable[..., RunningBroker]]:
     started: list[BrokerThread] = []
 
     def start(**overrides: Any) -> RunningBroker:
-        settings: dict[str, Any] = {"frontend": LOOPBACK, "backend": LOOPBACK,
-                                    "heartbeat_interval": 0.1, "worker_liveness": 10}  # fmt: skip
+        settings: dict[str, Any] = {
+            "frontend": LOOPBACK,
+            "backend": LOOPBACK,
+            "heartbeat_interval": 0.1,
+            "worker_liveness": 10,
+        }
         settings.update(overrides)
         thread = BrokerThread(BrokerConfig(**settings))
         # Read the endpoints before the loop thread owns the sockets (they are not thread-safe).
-        running = RunningBroker(thread, thread.broker.frontend_address, thread.broker.backend_address)
+        running = RunningBroker(
+            thread, thread.broker.frontend_address, thread.broker.backend_address
+        )
         thread.__enter__()
         started.append(thread)
         return running
@@ -94,18 +101,38 @@ def start_double(start_broker: Any) -> Iterator[Callable[..., EchoWorkerDouble]]
     and (by default) registered with the broker before it returns."""
     doubles: list[EchoWorkerDouble] = []
 
-    def start(broker: RunningBroker, *, registered: bool = True, **options: Any) -> EchoWorkerDouble:
+    def start(
+        broker: RunningBroker, *, registered: bool = True, **options: Any
+    ) -> EchoWorkerDouble:
         options.setdefault("heartbeat", 0.05)
         double = EchoWorkerDouble(broker.backend, **options)
         double.start()
         doubles.append(double)
         if registered:
-            poll_until(lambda: broker.has_worker(double.name), what=f"worker {double.name} to register")
+            poll_until(
+                lambda: broker.has_worker(double.name), what=f"worker {double.name} to register"
+            )
         return double
 
     yield start
     for double in reversed(doubles):
         double.stop()
+
+
+@pytest.fixture
+def raw_socket() -> Iterator[Callable[[int], zmq.Socket[Any]]]:
+    """``raw_socket(zmq.DEALER)``: a bare socket (linger 0) for speaking the wire by hand."""
+    sockets: list[zmq.Socket[Any]] = []
+
+    def make(kind: int) -> zmq.Socket[Any]:
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sockets.append(sock)
+        return sock
+
+    yield make
+    for sock in sockets:
+        sock.close(linger=0)
 
 
 @pytest.fixture

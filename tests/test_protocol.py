@@ -19,11 +19,22 @@ TABLES = {
     "TO_WORKER": codec.TO_WORKER,
 }
 
-FULL_SAMPLING = p.SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=50, max_tokens=32,
-                                 stop=["\n", "</s>"], seed=1234, logprobs=5, ignore_eos=True)  # fmt: skip
+FULL_SAMPLING = p.SamplingParams(
+    n=4,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=50,
+    max_tokens=32,
+    stop=["\n", "</s>"],
+    seed=1234,
+    logprobs=5,
+    ignore_eos=True,
+)
 JOBS = [
     p.JobSpec("job-prompt", FULL_SAMPLING, prompt="2+2=", stream=True, min_weight_version=7),
-    p.JobSpec("job-chat", messages=[p.ChatMessage("system", "be brief"), p.ChatMessage("user", "hi")]),
+    p.JobSpec(
+        "job-chat", messages=[p.ChatMessage("system", "be brief"), p.ChatMessage("user", "hi")]
+    ),
     p.JobSpec("job-ids", p.SamplingParams(temperature=0.0), prompt_token_ids=[0, 1, 2, 50_000]),
 ]
 SAMPLES = [
@@ -36,7 +47,10 @@ ERRORS = [
     p.ErrorItem(42, "job_failed", "engine died"),
 ]
 STATUS_REPLY = p.StatusReply(
-    [p.WorkerStatus("w0", "ready", "tiny", 64, 3, 2, 0.25)], [p.ClientStatus("trainer", 10, 3)], 10, 3
+    [p.WorkerStatus("w0", "ready", "tiny", 64, 3, 2, 0.25)],
+    [p.ClientStatus("trainer", 10, 3)],
+    10,
+    3,
 )
 
 # A representative body for every command of every direction table.
@@ -80,7 +94,9 @@ def _submit_frames(*raw_jobs: Any) -> list[bytes]:
 
 def _raw_sampling(**changes: Any) -> list[Any]:
     """SamplingParams as the plain msgpack array a client in another language would send."""
-    fields = {name: getattr(p.SamplingParams(), name) for name in p.SamplingParams.__struct_fields__}
+    fields = {
+        name: getattr(p.SamplingParams(), name) for name in p.SamplingParams.__struct_fields__
+    }
     fields.update(changes)
     return [fields[name] for name in p.SamplingParams.__struct_fields__]
 
@@ -91,7 +107,11 @@ def test_every_command_of_every_table_has_a_sample_body() -> None:
     assert set(BODIES) == commands
 
 
-@pytest.mark.parametrize(("table", "command"), list(BODIES), ids=lambda v: v if isinstance(v, str) else p.COMMAND_NAMES[v])
+@pytest.mark.parametrize(
+    ("table", "command"),
+    list(BODIES),
+    ids=lambda v: v if isinstance(v, str) else p.COMMAND_NAMES[v],
+)
 def test_round_trip(table: str, command: bytes) -> None:
     body = BODIES[(table, command)]
     frames = codec.encode(command, body)
@@ -115,20 +135,39 @@ def test_body_is_a_plain_msgpack_array() -> None:
     (raw_job,) = msgpack.unpackb(frames[2])
     assert isinstance(raw_job, list)
     job_id, sampling, prompt, messages, token_ids, stream, min_version = raw_job[:7]
-    assert (job_id, prompt, messages, token_ids, stream, min_version) == ("job-prompt", "2+2=", None, None, True, 7)
+    assert (job_id, prompt, messages, token_ids, stream, min_version) == (
+        "job-prompt",
+        "2+2=",
+        None,
+        None,
+        True,
+        7,
+    )
     assert sampling == [4, 0.7, 0.9, 50, 32, ["\n", "</s>"], 1234, 5, True]
     assert codec.encode_body(JOBS[0]) == msgpack.packb(raw_job)
 
 
 def test_plain_msgpack_with_omitted_trailing_defaults_decodes() -> None:
-    msg = _decode("FROM_CLIENT", _submit_frames(["j", [], "hi"], ["k", [3], None, [["user", "yo"]]]))
+    msg = _decode(
+        "FROM_CLIENT", _submit_frames(["j", [], "hi"], ["k", [3], None, [["user", "yo"]]])
+    )
     first, second = msg.body
     assert first == p.JobSpec("j", p.SamplingParams(), prompt="hi")
     assert second == p.JobSpec("k", p.SamplingParams(n=3), messages=[p.ChatMessage("user", "yo")])
 
 
 def test_extra_trailing_array_items_are_ignored() -> None:
-    raw = ["j", [*_raw_sampling(n=2), "future-sampling-field"], "hi", None, None, False, 3, "future-field", 99]
+    raw = [
+        "j",
+        [*_raw_sampling(n=2), "future-sampling-field"],
+        "hi",
+        None,
+        None,
+        False,
+        3,
+        "future-field",
+        99,
+    ]
     (job,) = _decode("FROM_CLIENT", _submit_frames(raw)).body
     assert job == p.JobSpec("j", p.SamplingParams(n=2), prompt="hi", min_weight_version=3)
     ready = [p.SIGNATURE, p.READY, msgpack.packb(["w0", "tiny", 8, 1, [], 0, {"future": True}])]
@@ -140,7 +179,9 @@ INVALID_SAMPLING = [
     pytest.param({"n": 0}, r"n=0 is outside", id="n=0"),
     pytest.param({"n": True}, r"n must be an integer|Expected `int`, got `bool`", id="n=bool"),
     pytest.param({"temperature": -1.0}, r"temperature=-1.0 is outside", id="temperature=-1"),
-    pytest.param({"temperature": math.nan}, r"temperature must be a finite number", id="temperature=nan"),
+    pytest.param(
+        {"temperature": math.nan}, r"temperature must be a finite number", id="temperature=nan"
+    ),
     pytest.param({"top_p": 0.0}, r"top_p=0.0 is outside \(0.0, 1.0\]", id="top_p=0"),
     pytest.param({"top_p": 1.5}, r"top_p=1.5 is outside", id="top_p=1.5"),
     pytest.param({"max_tokens": 0}, r"max_tokens=0 is outside", id="max_tokens=0"),
@@ -166,8 +207,15 @@ def test_invalid_sampling_is_refused_on_decode(changes: dict[str, Any], message:
 
 
 def test_valid_sampling_edges_are_accepted() -> None:
-    p.SamplingParams(n=p.MAX_N, temperature=0.0, top_p=1.0, max_tokens=1, stop=["x"] * p.MAX_STOP,
-                     seed=0, logprobs=p.MAX_TOP_LOGPROBS)  # fmt: skip
+    p.SamplingParams(
+        n=p.MAX_N,
+        temperature=0.0,
+        top_p=1.0,
+        max_tokens=1,
+        stop=["x"] * p.MAX_STOP,
+        seed=0,
+        logprobs=p.MAX_TOP_LOGPROBS,
+    )
 
 
 # -- JobSpec validation -------------------------------------------------------------------
@@ -184,8 +232,13 @@ def test_valid_sampling_edges_are_accepted() -> None:
 def test_job_needs_exactly_one_input(inputs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="exactly one of prompt, messages, prompt_token_ids"):
         p.JobSpec("job-1", **inputs)
-    raw = ["job-1", [], inputs.get("prompt"), [["user", "hi"]] if "messages" in inputs else None,
-           inputs.get("prompt_token_ids")]  # fmt: skip
+    raw = [
+        "job-1",
+        [],
+        inputs.get("prompt"),
+        [["user", "hi"]] if "messages" in inputs else None,
+        inputs.get("prompt_token_ids"),
+    ]
     with pytest.raises(ProtocolError, match="exactly one of prompt, messages, prompt_token_ids"):
         _decode("FROM_CLIENT", _submit_frames(raw))
 
@@ -226,14 +279,36 @@ def test_job_cost_is_n() -> None:
 @pytest.mark.parametrize(
     ("frames", "message"),
     [
-        pytest.param([b"ZR9", p.STATUS, msgpack.packb(None)], r"bad protocol signature b'ZR9', expected b'ZR1'", id="signature"),
-        pytest.param([p.SIGNATURE, b"\x7f", msgpack.packb(None)], r"unknown command b'\\x7f'", id="unknown-command"),
-        pytest.param([p.SIGNATURE, p.JOBS, msgpack.packb([])], r"unknown command b'1'", id="wrong-direction"),
-        pytest.param([p.SIGNATURE, p.SUBMIT], r"expected at least 3 frames .* got 2", id="two-frames"),
+        pytest.param(
+            [b"ZR9", p.STATUS, msgpack.packb(None)],
+            r"bad protocol signature b'ZR9', expected b'ZR1'",
+            id="signature",
+        ),
+        pytest.param(
+            [p.SIGNATURE, b"\x7f", msgpack.packb(None)],
+            r"unknown command b'\\x7f'",
+            id="unknown-command",
+        ),
+        pytest.param(
+            [p.SIGNATURE, p.JOBS, msgpack.packb([])], r"unknown command b'1'", id="wrong-direction"
+        ),
+        pytest.param(
+            [p.SIGNATURE, p.SUBMIT], r"expected at least 3 frames .* got 2", id="two-frames"
+        ),
         pytest.param([], r"got 0", id="no-frames"),
-        pytest.param([p.SIGNATURE, p.SUBMIT, b"\xc1garbage"], r"invalid submit message", id="garbage-header"),
-        pytest.param([p.SIGNATURE, p.SUBMIT, msgpack.packb({"job_id": "j"})], r"invalid submit message: Expected `array`", id="map-header"),
-        pytest.param([p.SIGNATURE, p.CANCEL, msgpack.packb([1, 2])], r"invalid cancel message", id="cancel-ints-from-client"),
+        pytest.param(
+            [p.SIGNATURE, p.SUBMIT, b"\xc1garbage"], r"invalid submit message", id="garbage-header"
+        ),
+        pytest.param(
+            [p.SIGNATURE, p.SUBMIT, msgpack.packb({"job_id": "j"})],
+            r"invalid submit message: Expected `array`",
+            id="map-header",
+        ),
+        pytest.param(
+            [p.SIGNATURE, p.CANCEL, msgpack.packb([1, 2])],
+            r"invalid cancel message",
+            id="cancel-ints-from-client",
+        ),
     ],
 )
 def test_framing_errors_raise_protocol_error(frames: list[bytes], message: str) -> None:

@@ -78,6 +78,7 @@ def make_job(job_id: str, prompt: Prompt, sampling: p.SamplingParams, *, stream:
             f"a prompt is a string, a non-empty list of token ids, or a list of chat messages; got {type(prompt).__name__}"
         )
     try:
+        sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
         return p.JobSpec(job_id, sampling, stream=stream, min_weight_version=min_weight_version, **kwargs)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc), job_id=job_id) from None

@@ -75,11 +75,21 @@ class LocalCluster:
                 raise RolloutTimeoutError(f"{len(self.registered())} of {count} workers registered after {timeout} s")
             time.sleep(0.2)
 
-    def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> None:
+    def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Kill a worker's whole process group (the worker and its vLLM engine core)."""
         proc = self.workers[name]
         os.killpg(proc.pid, sig)
-        proc.wait(timeout=60)
+        return self.reap(name)
+
+    def reap(self, name: str, timeout: float = 60) -> int:
+        """Wait for a worker process that is ending, forget it, return its exit code."""
+        proc = self.workers.pop(name)
+        code = proc.wait(timeout=timeout)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of its group (engine processes)
+        except ProcessLookupError:
+            pass
+        return code
 
     def stop(self) -> None:
         for proc in self.workers.values():

@@ -1,0 +1,188 @@
+"""The printed report of ``broker_throughput.py``: tables, ratios, goals and a RESULT line."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Any
+
+BATCH = 64  # jobs per message in the batched cases
+BATCH_WINDOW = 4  # messages in flight per client, batched
+SINGLE_WINDOW = 64  # messages (= jobs) in flight per client, unbatched
+GOAL_UNBATCHED_VS_PROXY = 0.5
+GOAL_BATCHED_JOBS_PER_S = 250_000
+GOAL_ADDED_P50_US = 100.0
+
+LATENCY_METHOD = """\
+Broker-added latency, method: one client keeps ONE job in flight and times each round trip
+(send SUBMIT -> receive its FINAL; the broker's ACCEPTED arrives in between and is skipped).
+  broker  path: client DEALER -> broker -> EchoWorkerDouble (1 worker, own process) -> back
+  direct  path: client DEALER -> a ROUTER running the echo double's logic (decode SUBMIT,
+                build the fake result, encode FINAL) -> back; no broker, one hop fewer
+broker-added = percentile(broker path) - percentile(direct path), for p50 and p99 (a
+difference of percentiles, not a percentile of differences). It includes the extra TCP hop
+and process wake-up, which the zmq.proxy reference below (raw 100 B, proxy vs. a direct
+ROUTER echo) isolates: what any broker process costs before running a line of Python."""
+
+
+def percentile_us(samples: list[int], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000
+
+
+def _find(
+    rows: list[dict[str, Any]], kind: str, clients: int, workers: int, batched: bool
+) -> dict[str, Any] | None:
+    for row in rows:
+        if (row["kind"], row["clients"], row["workers"], row["jobs_per_message"] > 1) == (
+            kind,
+            clients,
+            workers,
+            batched,
+        ):
+            return row
+    return None
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    return round(a["jobs_per_s"] / b["jobs_per_s"], 3) if a and b and b["jobs_per_s"] else None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?"
+            )
+    except OSError:
+        return platform.processor() or "?"
+
+
+def report(
+    rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any, elapsed: float
+) -> None:
+    print()
+    print(
+        f"machine: {os.cpu_count()} cores ({_cpu_model()}), Python {platform.python_version()}; "
+        f"mode: {'quick' if args.quick else 'default'} ({args.warmup} s warm-up + {args.duration} s measured "
+        f"per case); total {elapsed:.0f} s"
+    )
+    print(
+        "workers: EchoWorkerDouble, a TEST DOUBLE that answers every job instantly (no model), "
+        f"{args.credits} credits each, as threads spread over up to {args.worker_procs} processes "
+        f"(64 workers = {args.worker_procs} processes x {64 // args.worker_procs} threads); "
+        "zmq.proxy's workers: raw DEALER echo threads, laid out the same way"
+    )
+    print(
+        f"clients: one process each; unbatched = {SINGLE_WINDOW} one-job messages in flight per client, "
+        f"batched = {BATCH_WINDOW} messages x {BATCH} jobs in flight per client; HTTP: 1 aiohttp process, "
+        f"64 POSTs in flight (1 or {BATCH} requests per POST); prompts: 100 bytes"
+    )
+    if rows:
+        print("\nthroughput (round trips: job submitted -> its result back at the client)")
+        head = f"{'case':<40} {'jobs/s':>10}  {'server':>6} {'workers':>7} {'clients':>7}  {'server us/job':>13}  errors"
+        print(head)
+        print("-" * len(head))
+        for r in rows:
+            cpu = r["cpu_cores"]
+            print(
+                f"{r['case']:<40} {r['jobs_per_s']:>10,}  {cpu.get('server', 0):>6.2f} {cpu.get('workers', 0):>7.2f} "
+                f"{cpu.get('clients', 0):>7.2f}  {r['server_cpu_us_per_job']:>13.2f}  {r['errors']}"
+            )
+        print(
+            "server/workers/clients: CPU cores each role used while measured (1.00 = one core busy); "
+            "server = the broker, zmq.proxy or uvicorn. server us/job: its CPU time per completed job."
+        )
+
+    lat: dict[str, dict[str, float]] = {}
+    if latency:
+        print("\nround-trip latency, one job in flight (us)")
+        print(f"{'path':<12} {'p50':>8} {'p99':>8} {'n':>7}")
+        for path, samples in latency.items():
+            lat[path] = {"p50": percentile_us(samples, 0.5), "p99": percentile_us(samples, 0.99)}
+            print(f"{path:<12} {lat[path]['p50']:>8.1f} {lat[path]['p99']:>8.1f} {len(samples):>7}")
+        print(LATENCY_METHOD)
+    added = (
+        {q: round(lat["broker"][q] - lat["direct"][q], 1) for q in ("p50", "p99")}
+        if {"broker", "direct"} <= lat.keys()
+        else {}
+    )
+    proxy_added = (
+        {q: round(lat["proxy"][q] - lat["raw-direct"][q], 1) for q in ("p50", "p99")}
+        if {"proxy", "raw-direct"} <= lat.keys()
+        else {}
+    )
+    if added:
+        print(f"broker-added latency: p50 {added['p50']} us, p99 {added['p99']} us")
+    if proxy_added:
+        print(
+            f"zmq.proxy-added latency (reference): p50 {proxy_added['p50']} us, p99 {proxy_added['p99']} us"
+        )
+
+    ratios: dict[str, float | None] = {}
+    for n in (1, 8):
+        ratios[f"broker_unbatched/proxy_unbatched_{n}c{n}w"] = _ratio(
+            _find(rows, "broker", n, n, False), _find(rows, "proxy", n, n, False)
+        )
+        ratios[f"broker_batched/proxy_batched_{n}c{n}w"] = _ratio(
+            _find(rows, "broker", n, n, True), _find(rows, "proxy", n, n, True)
+        )
+    http_batched = _find(rows, "http", 1, 0, True)
+    broker_batched = [r for r in rows if r["kind"] == "broker" and r["jobs_per_message"] > 1]
+    best_batched = max(broker_batched, key=lambda r: r["jobs_per_s"], default=None)
+    ratios["broker_batched_1c1w/http_batched"] = _ratio(
+        _find(rows, "broker", 1, 1, True), http_batched
+    )
+    ratios["broker_batched_best/http_batched"] = _ratio(best_batched, http_batched)
+    ratios["broker_unbatched_1c1w/http_unbatched"] = _ratio(
+        _find(rows, "broker", 1, 1, False), _find(rows, "http", 1, 0, False)
+    )
+    if rows:
+        print("\nratios")
+        for name, value in ratios.items():
+            print(f"  {name:<42} {'n/a' if value is None else f'{value:.3f}'}")
+
+    unbatched = [v for k, v in ratios.items() if k.startswith("broker_unbatched/proxy")]
+    goals = {
+        "unbatched_ge_50pct_of_proxy": (
+            all(v is not None and v >= GOAL_UNBATCHED_VS_PROXY for v in unbatched)
+            if any(v is not None for v in unbatched)
+            else None
+        ),
+        "batched_ge_250k_jobs_per_s": best_batched["jobs_per_s"] >= GOAL_BATCHED_JOBS_PER_S
+        if best_batched
+        else None,
+        "broker_added_p50_lt_100us": added["p50"] < GOAL_ADDED_P50_US if added else None,
+    }
+    verdict = {True: "MET", False: "NOT MET", None: "not measured"}
+    print("\ngoals")
+    print(
+        f"  broker unbatched >= {GOAL_UNBATCHED_VS_PROXY:.0%} of zmq.proxy unbatched (same shape, each of 1c x 1w and 8c x 8w): "
+        f"{verdict[goals['unbatched_ge_50pct_of_proxy']]} ({', '.join('n/a' if v is None else f'{v:.0%}' for v in unbatched)})"
+    )
+    best = (
+        f"{best_batched['jobs_per_s']:,} jobs/s, {best_batched['case']}" if best_batched else "n/a"
+    )
+    print(
+        f"  broker batched >= {GOAL_BATCHED_JOBS_PER_S:,} jobs/s (best of the matrix): "
+        f"{verdict[goals['batched_ge_250k_jobs_per_s']]} ({best})"
+    )
+    print(
+        f"  broker-added median latency < {GOAL_ADDED_P50_US:.0f} us: {verdict[goals['broker_added_p50_lt_100us']]} "
+        f"({added.get('p50', 'n/a')} us)"
+    )
+    result = {
+        "mode": "quick" if args.quick else "default",
+        "duration_s": args.duration,
+        "cpus": os.cpu_count(),
+        "workers": "EchoWorkerDouble (test double)",
+        "throughput": rows,
+        "latency_us": lat,
+        "broker_added_latency_us": added,
+        "proxy_added_latency_us": proxy_added,
+        "ratios": ratios,
+        "goals": goals,
+        "elapsed_s": round(elapsed, 1),
+    }
+    print("RESULT " + json.dumps(result, separators=(",", ":")))

@@ -1,0 +1,336 @@
+"""The processes of ``broker_throughput.py``, one function per role.
+
+Each role runs in its own spawned process. It ignores SIGINT (the parent owns Ctrl-C and
+terminates its children), stops on SIGTERM, and talks to the parent through one queue of
+``(kind, tag, payload)`` tuples: ``ready`` once it can serve, ``done`` with its figures,
+``error`` with a traceback.
+
+Clients run one measurement window ``clock = [t_begin, t_end]`` (``time.monotonic``, which
+is one clock for every process of the machine): they start sending when ``go`` is set,
+count only what completes inside the window, then drain and leave.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from zmq_rollout import codec
+from zmq_rollout import protocol as p
+
+PROMPT = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(
+    100
+)
+SAMPLING = p.SamplingParams(max_tokens=16)
+RAW_JOB = PROMPT.encode()  # the zmq.proxy baseline's unit of work: 100 opaque bytes
+DRAIN_SECONDS = 3.0
+
+
+def role(fn: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a role: ignore SIGINT, report any exception to the parent instead of dying mute."""
+
+    @functools.wraps(fn)
+    def run(report: Any, tag: str, *args: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logging.basicConfig(
+            level=logging.WARNING, format=f"[{tag}] %(levelname)s %(name)s: %(message)s"
+        )
+        try:
+            fn(report, tag, *args)
+        except Exception:
+            report.put(("error", tag, traceback.format_exc()))
+            raise
+
+    return run
+
+
+def _stop_event() -> threading.Event:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
+def _socket(kind: int, address: str, *, bind: bool = False, identity: str = "") -> zmq.Socket[Any]:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+# -- servers ---------------------------------------------------------------------------------
+@role
+def broker(report: Any, tag: str, profile_path: str | None) -> None:
+    """The product broker, as ``zmq-rollout broker`` runs it (optionally under cProfile)."""
+    from zmq_rollout.broker.server import Broker
+
+    from zmq_rollout.config import BrokerConfig
+
+    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    signal.signal(signal.SIGTERM, lambda *_: b.stop())
+    report.put(("ready", tag, (b.frontend_address, b.backend_address)))
+    if profile_path is None:
+        b.run()
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        b.run()
+    finally:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
+
+
+@role
+def proxy(report: Any, tag: str) -> None:
+    """libzmq's own forwarding: ``zmq.proxy`` from a ROUTER (clients) to a DEALER (workers)."""
+    front = _socket(zmq.ROUTER, "tcp://127.0.0.1:*", bind=True)
+    back = _socket(zmq.DEALER, "tcp://127.0.0.1:*", bind=True)
+    report.put(
+        (
+            "ready",
+            tag,
+            (front.getsockopt_string(zmq.LAST_ENDPOINT), back.getsockopt_string(zmq.LAST_ENDPOINT)),
+        )
+    )
+    zmq.proxy(front, back)  # until SIGTERM ends the process
+
+
+def _echo_loop(sock: zmq.Socket[Any]) -> None:
+    while True:
+        sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
+@role
+def raw_echo_server(report: Any, tag: str) -> None:
+    """A ROUTER that sends every message straight back: the floor of a direct round trip."""
+    sock = _socket(zmq.ROUTER, "tcp://127.0.0.1:*", bind=True)
+    report.put(("ready", tag, sock.getsockopt_string(zmq.LAST_ENDPOINT)))
+    _echo_loop(sock)
+
+
+@role
+def direct_echo_server(report: Any, tag: str) -> None:
+    """A ROUTER that answers SUBMIT the way the echo double answers JOBS (decode, build the
+    fake result, encode FINAL), with no broker in between: the reference for latency."""
+    from zmq_rollout.testing import echo_result
+
+    sock = _socket(zmq.ROUTER, "tcp://127.0.0.1:*", bind=True)
+    decoder = codec.Decoder(codec.FROM_CLIENT)
+    report.put(("ready", tag, sock.getsockopt_string(zmq.LAST_ENDPOINT)))
+    while True:
+        frames = sock.recv_multipart()
+        msg = decoder.decode(frames[1:])
+        if msg.command != p.SUBMIT:
+            continue
+        results = []
+        for job in msg.body:
+            result = echo_result(p.Assignment(0, job), "direct-echo", 0)
+            result.key = job.job_id
+            results.append(result)
+        sock.send_multipart([frames[0], *codec.encode(p.FINAL, results)])
+
+
+# -- workers ---------------------------------------------------------------------------------
+@role
+def echo_doubles(report: Any, tag: str, address: str, num: int, credits: int) -> None:
+    """``num`` EchoWorkerDouble threads (the test double: answers every job at once)."""
+    from zmq_rollout.testing import EchoWorkerDouble
+
+    stop = _stop_event()
+    workers = [
+        EchoWorkerDouble(address, credits=credits, name=f"{tag}-{i}").start() for i in range(num)
+    ]
+    report.put(("ready", tag, None))
+    while not stop.wait(0.25):
+        for w in workers:
+            w.received.clear()  # the double records every assignment; keep memory flat
+    stoppers = [threading.Thread(target=w.stop) for w in workers]  # in parallel: each waits a poll
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
+
+
+@role
+def raw_echoes(report: Any, tag: str, address: str, num: int) -> None:
+    """``num`` DEALER threads behind ``zmq.proxy`` that echo bytes: no per-job work at all.
+    Ends by SIGTERM's default action (its threads block in ``recv`` forever)."""
+    socks = [_socket(zmq.DEALER, address) for _ in range(num)]
+    for sock in socks:
+        threading.Thread(target=_echo_loop, args=(sock,), daemon=True).start()
+    report.put(("ready", tag, None))
+    threading.Event().wait()
+
+
+# -- clients ---------------------------------------------------------------------------------
+class _Window:
+    """Jobs in flight and jobs completed inside the measurement window."""
+
+    def __init__(self, clock: Any) -> None:
+        self.t_begin, self.t_end = clock[0], clock[1]
+        self.inflight = self.done = self.errors = 0
+
+    def complete(self, jobs: int, errors: int, now: float) -> None:
+        self.inflight -= jobs + errors
+        if self.t_begin <= now < self.t_end:
+            self.done += jobs
+            self.errors += errors
+
+
+def _count_answer(decoder: codec.Decoder, frames: list[bytes]) -> tuple[int, int]:
+    """(jobs finished, jobs failed) in one broker message; ACCEPTED is skipped undecoded."""
+    command = frames[1]
+    if command == p.FINAL:
+        return len(decoder.decode(frames).body), 0
+    if command in (p.ERROR, p.BUSY):
+        return 0, len(decoder.decode(frames).body)
+    return 0, 0
+
+
+def _pump(
+    sock: zmq.Socket[Any],
+    win: _Window,
+    until: float,
+    fill: Callable[[], None],
+    answer: Callable[[list[bytes]], tuple[int, int]],
+) -> None:
+    """Keep the window full (``fill``) and count answers until ``until`` or nothing is left."""
+    while True:
+        now = time.monotonic()
+        if now >= until or (now >= win.t_end and win.inflight <= 0):
+            return
+        if now < win.t_end:
+            fill()
+        if not sock.poll(50):
+            continue
+        now = time.monotonic()
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            win.complete(*answer(frames), now)
+
+
+@role
+def submit_client(
+    report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any
+) -> None:
+    """A raw DEALER speaking the protocol through ``zmq_rollout.codec``: ``window`` SUBMIT
+    messages of ``batch`` jobs each in flight."""
+    sock = _socket(zmq.DEALER, address, identity=tag)
+    decoder = codec.Decoder(codec.TO_CLIENT)
+    limit, ids = batch * window, iter(range(1 << 62))
+    report.put(("ready", tag, None))
+    go.wait()
+    win = _Window(clock)
+
+    def fill() -> None:
+        while win.inflight + batch <= limit:
+            jobs = [p.JobSpec(f"{tag}-{next(ids):x}", SAMPLING, PROMPT) for _ in range(batch)]
+            sock.send_multipart(codec.encode(p.SUBMIT, jobs))
+            win.inflight += batch
+
+    _pump(sock, win, win.t_end + DRAIN_SECONDS, fill, lambda frames: _count_answer(decoder, frames))
+    sock.send_multipart(codec.encode(p.DISCONNECT))
+    sock.close(linger=100)
+    report.put(("done", tag, {"jobs": win.done, "errors": win.errors}))
+
+
+@role
+def raw_client(
+    report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any
+) -> None:
+    """The zmq.proxy baseline's client: ``window`` messages of ``batch`` x 100 bytes in flight."""
+    sock = _socket(zmq.DEALER, address, identity=tag)
+    payload = RAW_JOB * batch
+    report.put(("ready", tag, None))
+    go.wait()
+    win = _Window(clock)
+
+    def fill() -> None:
+        while win.inflight + batch <= batch * window:
+            sock.send(payload)
+            win.inflight += batch
+
+    _pump(
+        sock,
+        win,
+        win.t_end + DRAIN_SECONDS,
+        fill,
+        lambda frames: (len(frames[-1]) // len(RAW_JOB), 0),
+    )
+    sock.close()
+    report.put(("done", tag, {"jobs": win.done, "errors": 0}))
+
+
+@role
+def library_client(
+    report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any
+) -> None:
+    """The real ``RolloutClient``: ``window`` threads, each calling ``generate`` on ``batch`` prompts."""
+    from zmq_rollout import RolloutClient
+
+    client = RolloutClient(address, name=tag)
+    report.put(("ready", tag, None))
+    go.wait()
+    win = _Window(clock)
+    lock = threading.Lock()
+
+    def caller() -> None:
+        while time.monotonic() < win.t_end:
+            rollouts = client.generate([PROMPT] * batch, SAMPLING)
+            with lock:
+                win.complete(len(rollouts), 0, time.monotonic())
+
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(window)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client.close()
+    report.put(("done", tag, {"jobs": win.done, "errors": 0}))
+
+
+@role
+def latency_client(
+    report: Any, tag: str, address: str, kind: str, count: int, warmup: int, go: Any
+) -> None:
+    """One job in flight at a time; reports every round trip in ns. ``kind``: ``submit``
+    (a one-job SUBMIT, waits for its FINAL) or ``raw`` (100 bytes, waits for the echo)."""
+    sock = _socket(zmq.DEALER, address, identity=tag)
+    report.put(("ready", tag, None))
+    go.wait()
+    samples = []
+    for i in range(warmup + count):
+        if kind == "raw":
+            start = time.perf_counter_ns()
+            sock.send(RAW_JOB)
+            sock.recv()
+        else:
+            frames = codec.encode(p.SUBMIT, [p.JobSpec(f"{tag}-{i:x}", SAMPLING, PROMPT)])
+            start = time.perf_counter_ns()
+            sock.send_multipart(frames)
+            while sock.recv_multipart()[1] != p.FINAL:
+                pass  # ACCEPTED comes first
+        if i >= warmup:
+            samples.append(time.perf_counter_ns() - start)
+    if kind != "raw":
+        sock.send_multipart(codec.encode(p.DISCONNECT))
+    sock.close(linger=100)
+    report.put(("done", tag, samples))
