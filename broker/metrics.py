@@ -56,17 +56,21 @@ class SchedulerCollector:
         s = self.scheduler
         stats = s.stats
         jobs = CounterMetricFamily("zmq_rollout_jobs", "Jobs by outcome.", labels=["outcome"])
-        for field, _doc in _COUNTERS.items():
+        for field in _COUNTERS:
             jobs.add_metric([field], getattr(stats, field))
         yield jobs
-        malformed = CounterMetricFamily("zmq_rollout_malformed_messages", "Messages refused as malformed, by reason.", labels=["reason"])
+        malformed = CounterMetricFamily(
+            "zmq_rollout_malformed_messages", "Messages refused as malformed, by reason.", labels=["reason"]
+        )
         for reason, count in list(stats.malformed.items()):
             malformed.add_metric([reason], count)
         yield malformed
         yield _histogram("zmq_rollout_job_latency_seconds", "Submit to final result, per job.", stats.job_latency)
         yield _histogram("zmq_rollout_queue_wait_seconds", "Submit to dispatch, per job attempt.", stats.queue_wait)
         depth = GaugeMetricFamily("zmq_rollout_queue_depth", "Queued jobs per client.", labels=["client"])
-        running = GaugeMetricFamily("zmq_rollout_running_jobs", "Jobs running on workers per client.", labels=["client"])
+        running = GaugeMetricFamily(
+            "zmq_rollout_running_jobs", "Jobs running on workers per client.", labels=["client"]
+        )
         for client in list(s.clients.values()):
             depth.add_metric([client.name], len(client.queued))
             running.add_metric([client.name], len(client.running))
@@ -80,12 +84,16 @@ class SchedulerCollector:
         for state, count in states.items():
             by_state.add_metric([state], count)
         yield by_state
-        yield GaugeMetricFamily("zmq_rollout_credits", "Credits announced by all workers.", value=sum(w.capacity for w in workers))
-        yield GaugeMetricFamily("zmq_rollout_credits_free", "Credits not in use.", value=sum(max(0, w.free) for w in workers))
+        yield GaugeMetricFamily(
+            "zmq_rollout_credits", "Credits announced by all workers.", value=sum(w.capacity for w in workers)
+        )
+        yield GaugeMetricFamily(
+            "zmq_rollout_credits_free", "Credits not in use.", value=sum(max(0, w.free) for w in workers)
+        )
         yield GaugeMetricFamily("zmq_rollout_queued_jobs", "Queued jobs across clients.", value=s.num_queued)
 
 
 def serve_metrics(scheduler: Scheduler, port: int, addr: str = "0.0.0.0") -> Any:
     registry = CollectorRegistry()
-    registry.register(SchedulerCollector(scheduler))  # type: ignore[arg-type]
+    registry.register(SchedulerCollector(scheduler))
     return start_metrics_server(registry, port, addr)

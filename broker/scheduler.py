@@ -112,12 +112,23 @@ class Scheduler:
         for spec in jobs:
             jid = spec.job_id
             if jid in client.queued or jid in client.running:
-                self.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight"))
+                self.outbox.to_client(
+                    identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight")
+                )
                 self.stats.rejected_invalid += 1
             elif len(client.queued) >= cfg.max_queue_per_client or self.num_queued >= cfg.max_queue_total:
-                self.outbox.to_client(identity, p.BUSY, p.ErrorItem(jid, "busy", (
-                    f"queue full ({len(client.queued)} queued for this client, {self.num_queued} in all; "
-                    "limits: max_queue_per_client / max_queue_total)")))  # fmt: skip
+                self.outbox.to_client(
+                    identity,
+                    p.BUSY,
+                    p.ErrorItem(
+                        jid,
+                        "busy",
+                        (
+                            f"queue full ({len(client.queued)} queued for this client, {self.num_queued} in all; "
+                            "limits: max_queue_per_client / max_queue_total)"
+                        ),
+                    ),
+                )
                 self.stats.rejected_busy += 1
             else:
                 job = Job(identity, spec, now)
@@ -180,8 +191,16 @@ class Scheduler:
     def worker_ready(self, identity: WorkerId, info: p.WorkerInfo, now: float) -> None:
         worker = self.workers.get(identity)
         if worker is None:
-            worker = self.workers[identity] = WorkerState(identity, info, now, info.credits, weight_version=info.weight_version)
-            log.info("worker %s joined: model=%s credits=%d version=%d", info.name, info.model, info.credits, info.weight_version)
+            worker = self.workers[identity] = WorkerState(
+                identity, info, now, info.credits, weight_version=info.weight_version
+            )
+            log.info(
+                "worker %s joined: model=%s credits=%d version=%d",
+                info.name,
+                info.model,
+                info.credits,
+                info.weight_version,
+            )
         else:
             worker.info, worker.capacity, worker.weight_version = info, info.credits, info.weight_version
         worker.last_seen = now
@@ -264,9 +283,16 @@ class Scheduler:
                 continue
             if job.attempts >= self.config.max_attempts:
                 failed += 1
-                self.outbox.to_client(job.client, p.ERROR, p.ErrorItem(job.spec.job_id, "job_failed",
-                    f"job lost with {job.attempts} workers in a row (last: {worker.info.name}, {reason}); "
-                    "limit: max_attempts"))  # fmt: skip
+                self.outbox.to_client(
+                    job.client,
+                    p.ERROR,
+                    p.ErrorItem(
+                        job.spec.job_id,
+                        "job_failed",
+                        f"job lost with {job.attempts} workers in a row (last: {worker.info.name}, {reason}); "
+                        "limit: max_attempts",
+                    ),
+                )
                 continue
             self._enqueue(client, job, front=True)
             requeued += 1
@@ -357,10 +383,17 @@ class Scheduler:
     # -- status ----------------------------------------------------------------------------
     def status(self, now: float) -> p.StatusReply:
         workers = [
-            p.WorkerStatus(w.info.name, "ready" if w.accepting else "held", w.info.model, w.capacity,
-                           len(w.running), w.weight_version, round(now - w.last_seen, 3))
+            p.WorkerStatus(
+                w.info.name,
+                "ready" if w.accepting else "held",
+                w.info.model,
+                w.capacity,
+                len(w.running),
+                w.weight_version,
+                round(now - w.last_seen, 3),
+            )
             for w in self.workers.values()
-        ]  # fmt: skip
+        ]
         clients = [p.ClientStatus(c.name, len(c.queued), len(c.running)) for c in self.clients.values()]
         running = sum(len(w.running) for w in self.workers.values())
         return p.StatusReply(workers, clients, self.num_queued, running)

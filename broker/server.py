@@ -103,7 +103,7 @@ class Broker:
         try:
             while not self._stop.is_set():
                 timeout_ms = max(0.0, min(next_tick - time.monotonic(), 0.1)) * 1000
-                ready = dict(poller.poll(timeout_ms))
+                ready = dict(poller.poll(int(timeout_ms)))
                 now = time.monotonic()
                 if self.backend in ready:
                     self._drain(self.backend, self._on_worker, now)
@@ -160,7 +160,11 @@ class Broker:
         sched = self.scheduler
         size = sum(len(f) for f in frames)
         if size > self.config.max_message_bytes:
-            self._reject(identity, "oversize", f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}")
+            self._reject(
+                identity,
+                "oversize",
+                f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}",
+            )
             return
         try:
             msg = self._from_client.decode(frames)
@@ -173,7 +177,9 @@ class Broker:
         command = msg.command
         if command == p.SUBMIT:
             if len(msg.body) > p.MAX_JOBS_PER_MESSAGE:
-                self._reject(identity, "oversize", f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}")
+                self._reject(
+                    identity, "oversize", f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
+                )
                 return
             sched.submit(identity, msg.body, now)
         elif command == p.HEARTBEAT:

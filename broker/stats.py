@@ -29,7 +29,7 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, acc = [], 0
-        for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts):
+        for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts, strict=False):
             acc += n
             out.append((bound, acc))
         return out

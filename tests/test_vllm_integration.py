@@ -24,8 +24,8 @@ from zmq_rollout import (
     JobCancelledError,
     RolloutClient,
     SamplingParams,
+    codec,
 )
-from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.client import Rollout, TokenDelta
 from zmq_rollout.config import BrokerConfig
@@ -44,7 +44,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    config = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", heartbeat_interval=0.5, worker_liveness=4)
+    config = BrokerConfig(
+        frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", heartbeat_interval=0.5, worker_liveness=4
+    )
     logs = tmp_path_factory.mktemp("logs")
     c = LocalCluster(tiny_model, num_workers=2, broker_config=config, log_dir=str(logs))
     try:
@@ -63,8 +65,14 @@ def client(cluster: LocalCluster):
 def reference(model: str, jobs: list[tuple[list[int], dict]]) -> list[list[list[int]]]:
     """Token ids from direct vLLM (tests/vllm_reference.py in its own process)."""
     script = Path(__file__).with_name("vllm_reference.py")
-    out = subprocess.run([sys.executable, str(script)], input=json.dumps({"model": model, "jobs": jobs}),
-                         capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        input=json.dumps({"model": model, "jobs": jobs}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("REFERENCE "))
     return json.loads(line[len("REFERENCE ") :])["outputs"]
 
@@ -80,15 +88,25 @@ def test_token_ids_identical_to_direct_vllm(cluster: LocalCluster, client: Rollo
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=4321, ignore_eos=True)
     got = by_prompt(client.generate(PROMPTS, greedy)) + by_prompt(client.generate(PROMPTS, seeded))
-    as_dict = lambda s: {"n": s.n, "temperature": s.temperature, "max_tokens": s.max_tokens, "seed": s.seed, "ignore_eos": True}  # noqa: E731
-    want = reference(tiny_model, [(ids, as_dict(greedy)) for ids in PROMPTS] + [(ids, as_dict(seeded)) for ids in PROMPTS])
+    as_dict = lambda s: {
+        "n": s.n,
+        "temperature": s.temperature,
+        "max_tokens": s.max_tokens,
+        "seed": s.seed,
+        "ignore_eos": True,
+    }
+    want = reference(
+        tiny_model, [(ids, as_dict(greedy)) for ids in PROMPTS] + [(ids, as_dict(seeded)) for ids in PROMPTS]
+    )
     assert got == want
     assert all(len(s) == 12 for group in got for s in group)
 
 
 def test_rollout_fields_for_a_trainer(client: RolloutClient) -> None:
-    rollouts = client.generate(["hello there", [{"role": "user", "content": "hi"}], [5, 6, 7]],
-                               SamplingParams(n=3, max_tokens=8, seed=1, ignore_eos=True))  # fmt: skip
+    rollouts = client.generate(
+        ["hello there", [{"role": "user", "content": "hi"}], [5, 6, 7]],
+        SamplingParams(n=3, max_tokens=8, seed=1, ignore_eos=True),
+    )
     assert len(rollouts) == 9
     assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert [r.index for r in rollouts] == [0, 1, 2] * 3
@@ -108,7 +126,7 @@ def test_rollout_fields_for_a_trainer(client: RolloutClient) -> None:
 def test_top_logprobs(client: RolloutClient) -> None:
     (r,) = client.generate([[10, 11, 12]], SamplingParams(max_tokens=4, logprobs=3, seed=2, ignore_eos=True))
     assert r.top_logprobs is not None and len(r.top_logprobs) == 4
-    for position, chosen in zip(r.top_logprobs, r.logprobs):
+    for position, chosen in zip(r.top_logprobs, r.logprobs, strict=False):
         assert 3 <= len(position) <= 4  # top-3, plus the sampled token if it ranks lower
         assert max(position.values()) >= chosen - 1e-6
 
@@ -203,7 +221,7 @@ def _bad_sampling() -> SamplingParams:
 def test_engine_crash_exits_worker_nonzero(cluster: LocalCluster) -> None:
     name = "worker-1"
     proc = cluster.workers[name]
-    engine_cores = [c for c in psutil.Process(proc.pid).children(recursive=True)]
+    engine_cores = list(psutil.Process(proc.pid).children(recursive=True))
     assert engine_cores, "the worker has no engine process"
     for child in engine_cores:
         child.send_signal(signal.SIGKILL)
@@ -219,7 +237,9 @@ def test_engine_crash_exits_worker_nonzero(cluster: LocalCluster) -> None:
 def test_sigkilled_worker_jobs_finish_elsewhere_exactly_once(cluster: LocalCluster, client: RolloutClient) -> None:
     sched = cluster.broker.broker.scheduler
     requeued_before, completed_before = sched.stats.requeued, sched.stats.completed
-    futures = [client.submit([i + 3, i + 4], SamplingParams(max_tokens=200, ignore_eos=True, seed=i)) for i in range(24)]
+    futures = [
+        client.submit([i + 3, i + 4], SamplingParams(max_tokens=200, ignore_eos=True, seed=i)) for i in range(24)
+    ]
     victim = None
     deadline = time.monotonic() + 60
     while victim is None and time.monotonic() < deadline:

@@ -16,10 +16,11 @@ async def main() -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from zmq_rollout.local import CPU_WORKER_DEFAULTS
+    from zmq_rollout.local import LOCAL_WORKER_DEFAULTS
 
     request = json.load(sys.stdin)
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=request["model"], enforce_eager=True, **CPU_WORKER_DEFAULTS))
+    args = {k: v for k, v in LOCAL_WORKER_DEFAULTS.items() if v is not None}
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=request["model"], enforce_eager=True, **args))
     try:
 
         async def one(i: int, ids: list[int], sampling: dict) -> list[list[int]]:

@@ -71,10 +71,13 @@ def sampled_logprobs(token_ids: Any, logprobs: Any, top: int) -> tuple[list[floa
     """The sampled tokens' logprobs, and the top-``top`` logprobs per position if asked."""
     if logprobs is None:
         return [], None
-    chosen = [float(pos[tok].logprob) for tok, pos in zip(token_ids, logprobs)]
+    chosen = [float(pos[tok].logprob) for tok, pos in zip(token_ids, logprobs, strict=False)]
     if not top:
         return chosen, None
-    tops = [{int(t): float(lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top} for pos in logprobs]
+    tops = [
+        {int(t): float(lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top}
+        for pos in logprobs
+    ]
     return chosen, tops
 
 
@@ -104,8 +107,10 @@ class Engine:
             ids = self.tokenizer.encode(job.prompt)
         else:
             assert job.messages is not None
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in job.messages], tokenize=False, add_generation_prompt=True
+            text: Any = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in job.messages],
+                tokenize=False,
+                add_generation_prompt=True,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         if max(ids) >= self.vocab_size:

@@ -42,8 +42,13 @@ async def _serve(config: WorkerConfig) -> int:
 
     started = time.monotonic()
     engine = Engine(config)
-    log.info("engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
-             time.monotonic() - started, config.model, engine.max_model_len, engine.max_num_seqs)  # fmt: skip
+    log.info(
+        "engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
+        time.monotonic() - started,
+        config.model,
+        engine.max_model_len,
+        engine.max_num_seqs,
+    )
     worker = Worker(config, engine)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -71,8 +76,15 @@ def _supervise(config: WorkerConfig, groups: list[str]) -> int:
         port = None if config.metrics_port is None else config.metrics_port + i
         child = dataclasses.replace(config, gpus=group, name=name, metrics_port=port)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
-        children.append(subprocess.Popen([sys.executable, "-m", "zmq_rollout.cli", "worker", *cli_args(child)], env=env))
-    signal.signal(signal.SIGTERM, lambda *_: [c.terminate() for c in children])
+        children.append(
+            subprocess.Popen([sys.executable, "-m", "zmq_rollout.cli", "worker", *cli_args(child)], env=env)
+        )
+
+    def forward_term(*_: object) -> None:
+        for c in children:
+            c.terminate()
+
+    signal.signal(signal.SIGTERM, forward_term)
     code = 0
     try:
         while all(c.poll() is None for c in children):
@@ -90,10 +102,28 @@ def _supervise(config: WorkerConfig, groups: list[str]) -> int:
 
 def cli_args(config: WorkerConfig) -> list[str]:
     """The ``zmq-rollout worker`` arguments that reproduce ``config``."""
-    args = ["--broker", config.broker, "--model", config.model, "--gpus", config.gpus,
-            "--tensor-parallel-size", str(config.tensor_parallel_size), "--max-num-seqs", str(config.max_num_seqs),
-            "--max-model-len", str(config.max_model_len), "--gpu-memory-utilization", str(config.gpu_memory_utilization),
-            "--dtype", config.dtype, "--name", config.name, "--seed", str(config.seed)]  # fmt: skip
+    args = [
+        "--broker",
+        config.broker,
+        "--model",
+        config.model,
+        "--gpus",
+        config.gpus,
+        "--tensor-parallel-size",
+        str(config.tensor_parallel_size),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--gpu-memory-utilization",
+        str(config.gpu_memory_utilization),
+        "--dtype",
+        config.dtype,
+        "--name",
+        config.name,
+        "--seed",
+        str(config.seed),
+    ]
     if not config.enforce_eager:
         args.append("--no-enforce-eager")
     if config.attention_backend:

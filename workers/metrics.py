@@ -12,14 +12,24 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.tokens = Counter("zmq_rollout_worker_generated_tokens", "Tokens generated (all samples).", registry=self.registry)
+        self.tokens = Counter(
+            "zmq_rollout_worker_generated_tokens", "Tokens generated (all samples).", registry=self.registry
+        )
         self.jobs = Counter("zmq_rollout_worker_jobs", "Jobs finished with a result.", registry=self.registry)
-        self.jobs_failed = Counter("zmq_rollout_worker_jobs_failed", "Jobs that ended in an error, by code.",
-                                   ["code"], registry=self.registry)  # fmt: skip
-        self.latency = Histogram("zmq_rollout_worker_job_latency_seconds", "Job start to final result on this worker.",
-                                 buckets=_BUCKETS, registry=self.registry)  # fmt: skip
-        self.malformed = Counter("zmq_rollout_worker_malformed_messages", "Messages from the broker that failed to decode.",
-                                 registry=self.registry)  # fmt: skip
+        self.jobs_failed = Counter(
+            "zmq_rollout_worker_jobs_failed", "Jobs that ended in an error, by code.", ["code"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "zmq_rollout_worker_job_latency_seconds",
+            "Job start to final result on this worker.",
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.malformed = Counter(
+            "zmq_rollout_worker_malformed_messages",
+            "Messages from the broker that failed to decode.",
+            registry=self.registry,
+        )
         self._server: MetricsServer | None = None
 
     def job_done(self, seconds: float, num_tokens: int) -> None:

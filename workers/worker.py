@@ -56,8 +56,14 @@ class Worker:
         sock.connect(self.config.broker)
         self._sock = sock
         self._last_heard = time.monotonic()
-        info = p.WorkerInfo(self.name, self.config.model, self.engine.max_num_seqs, self.engine.weight_version,
-                            ["generate", "stream", "chat"], self.engine.max_model_len)  # fmt: skip
+        info = p.WorkerInfo(
+            self.name,
+            self.config.model,
+            self.engine.max_num_seqs,
+            self.engine.weight_version,
+            ["generate", "stream", "chat"],
+            self.engine.max_model_len,
+        )
         self._send_now(p.READY, info)
         log.info("worker %s: READY to %s with %d credits", self.name, self.config.broker, info.credits)
 
@@ -151,8 +157,16 @@ class Worker:
             elif msg.command == p.DISCONNECT:
                 await self._reconnect("broker said DISCONNECT")
             elif msg.command == p.CONTROL:
-                self._send_now(p.CONTROL_ACK, p.ControlAck(msg.body.round_id, msg.body.op, False,
-                               self.engine.weight_version, "control rounds are not supported by this worker"))  # fmt: skip
+                self._send_now(
+                    p.CONTROL_ACK,
+                    p.ControlAck(
+                        msg.body.round_id,
+                        msg.body.op,
+                        False,
+                        self.engine.weight_version,
+                        "control rounds are not supported by this worker",
+                    ),
+                )
 
     # -- jobs ------------------------------------------------------------------------------
     def _start(self, assignment: p.Assignment) -> None:

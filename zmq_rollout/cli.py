@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -12,12 +13,15 @@ import typer
 
 from zmq_rollout.config import BrokerConfig, WorkerConfig
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Rollout tier for RL post-training: broker, vLLM workers, client.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Rollout tier for RL post-training: broker, vLLM workers, client."
+)
 
 
 def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 @app.command()
@@ -26,8 +30,12 @@ def broker(
     backend: str = typer.Option(BrokerConfig.backend, help="Address workers connect to."),
     metrics_port: Optional[int] = typer.Option(None, help="Port of the Prometheus /metrics endpoint."),  # noqa: UP045
     heartbeat_interval: float = typer.Option(BrokerConfig.heartbeat_interval, help="Seconds between heartbeats."),
-    worker_liveness: int = typer.Option(BrokerConfig.worker_liveness, help="Missed heartbeats before a worker is purged."),
-    max_queue_per_client: int = typer.Option(BrokerConfig.max_queue_per_client, help="Queued jobs per client before BUSY."),
+    worker_liveness: int = typer.Option(
+        BrokerConfig.worker_liveness, help="Missed heartbeats before a worker is purged."
+    ),
+    max_queue_per_client: int = typer.Option(
+        BrokerConfig.max_queue_per_client, help="Queued jobs per client before BUSY."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the broker."""
@@ -36,13 +44,19 @@ def broker(
     from zmq_rollout.broker.server import Broker
 
     _logging(verbose)
-    b = Broker(BrokerConfig(frontend=frontend, backend=backend, metrics_port=metrics_port, heartbeat_interval=heartbeat_interval,
-                            worker_liveness=worker_liveness, max_queue_per_client=max_queue_per_client))  # fmt: skip
+    b = Broker(
+        BrokerConfig(
+            frontend=frontend,
+            backend=backend,
+            metrics_port=metrics_port,
+            heartbeat_interval=heartbeat_interval,
+            worker_liveness=worker_liveness,
+            max_queue_per_client=max_queue_per_client,
+        )
+    )
     signal.signal(signal.SIGTERM, lambda *_: b.stop())
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         b.run()
-    except KeyboardInterrupt:
-        pass
 
 
 @app.command()
@@ -53,7 +67,9 @@ def worker(
     tensor_parallel_size: int = typer.Option(1, help="GPUs per engine."),
     max_num_seqs: int = typer.Option(WorkerConfig.max_num_seqs, help="Sequences per engine (= credits)."),
     max_model_len: int = typer.Option(WorkerConfig.max_model_len),
-    gpu_memory_utilization: float = typer.Option(WorkerConfig.gpu_memory_utilization, help="On CPU: fraction of RAM for KV cache."),
+    gpu_memory_utilization: float = typer.Option(
+        WorkerConfig.gpu_memory_utilization, help="On CPU: fraction of RAM for KV cache."
+    ),
     dtype: str = typer.Option(WorkerConfig.dtype),
     enforce_eager: bool = typer.Option(True, help="Disable CUDA graphs / torch.compile."),
     attention_backend: Optional[str] = typer.Option(None, help="vLLM attention backend, e.g. TRITON_ATTN."),  # noqa: UP045
@@ -66,16 +82,27 @@ def worker(
     from zmq_rollout.workers.main import run_worker
 
     _logging(verbose)
-    config = WorkerConfig(broker=broker, model=model, gpus=gpus, tensor_parallel_size=tensor_parallel_size,
-                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          gpu_memory_utilization=gpu_memory_utilization, dtype=dtype, enforce_eager=enforce_eager,
-                          attention_backend=attention_backend, name=name, seed=seed, metrics_port=metrics_port)  # fmt: skip
+    config = WorkerConfig(
+        broker=broker,
+        model=model,
+        gpus=gpus,
+        tensor_parallel_size=tensor_parallel_size,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        attention_backend=attention_backend,
+        name=name,
+        seed=seed,
+        metrics_port=metrics_port,
+    )
     raise typer.Exit(run_worker(config))
 
 
 @app.command()
 def generate(
-    input: Path = typer.Option(..., "--input", "-i", help="JSONL: one {prompt|messages|prompt_token_ids} per line."),  # noqa: A002
+    input: Path = typer.Option(..., "--input", "-i", help="JSONL: one {prompt|messages|prompt_token_ids} per line."),
     output: Path = typer.Option(..., "--output", "-o", help="JSONL: one rollout per line."),
     address: str = typer.Option("tcp://127.0.0.1:5555", help="The broker's frontend."),
     n: int = typer.Option(1),
@@ -121,7 +148,10 @@ def status(address: str = typer.Option("tcp://127.0.0.1:5555", help="The broker'
         st = client.status()
     typer.echo(f"{'WORKER':<32} {'STATE':<6} {'CREDITS':>7} {'RUNNING':>7} {'VERSION':>7} {'IDLE_S':>7}  MODEL")
     for w in st.workers:
-        typer.echo(f"{w.name:<32} {w.state:<6} {w.credits:>7} {w.in_flight:>7} {w.weight_version:>7} {w.idle_seconds:>7.1f}  {w.model}")
+        typer.echo(
+            f"{w.name:<32} {w.state:<6} {w.credits:>7} {w.in_flight:>7} {w.weight_version:>7} "
+            f"{w.idle_seconds:>7.1f}  {w.model}"
+        )
     typer.echo(f"\n{'CLIENT':<32} {'QUEUED':>7} {'RUNNING':>7}")
     for c in st.clients:
         typer.echo(f"{c.name:<32} {c.queued:>7} {c.running:>7}")

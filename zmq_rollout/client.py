@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import threading
@@ -33,7 +34,7 @@ from zmq_rollout.errors import (
     error_from_code,
 )
 
-Prompt = Union[str, Sequence[int], Sequence[dict[str, str]], Sequence[p.ChatMessage]]
+Prompt = Union[str, Sequence[int], Sequence[dict[str, str]], Sequence[p.ChatMessage]]  # noqa: UP007 (runtime alias)
 T = TypeVar("T")
 
 
@@ -63,19 +64,21 @@ class TokenDelta:
     logprobs: list[float]
 
 
-def make_job(job_id: str, prompt: Prompt, sampling: p.SamplingParams, *, stream: bool = False,
-             min_weight_version: int = 0) -> p.JobSpec:  # fmt: skip
+def make_job(
+    job_id: str, prompt: Prompt, sampling: p.SamplingParams, *, stream: bool = False, min_weight_version: int = 0
+) -> p.JobSpec:
     """Build and validate a job from a prompt string, chat messages or token ids."""
     kwargs: dict[str, Any] = {}
     if isinstance(prompt, str):
         kwargs["prompt"] = prompt
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
-        kwargs["prompt_token_ids"] = list(prompt)  # type: ignore[arg-type]
+        kwargs["prompt_token_ids"] = list(prompt)
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, (dict, p.ChatMessage)) for m in prompt):
         kwargs["messages"] = [m if isinstance(m, p.ChatMessage) else p.ChatMessage(**m) for m in prompt]  # type: ignore[arg-type]
     else:
         raise InvalidRequestError(
-            f"a prompt is a string, a non-empty list of token ids, or a list of chat messages; got {type(prompt).__name__}"
+            "a prompt is a string, a non-empty list of token ids, or a list of chat messages; "
+            f"got {type(prompt).__name__}"
         )
     try:
         sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
@@ -86,10 +89,20 @@ def make_job(job_id: str, prompt: Prompt, sampling: p.SamplingParams, *, stream:
 
 def to_rollouts(result: p.Result, prompt_index: int = 0) -> list[Rollout]:
     return [
-        Rollout(str(result.key), prompt_index, s.index, result.prompt_token_ids, s.token_ids, s.logprobs,
-                s.finish_reason, result.weight_version, result.worker_id, s.top_logprobs)
+        Rollout(
+            str(result.key),
+            prompt_index,
+            s.index,
+            result.prompt_token_ids,
+            s.token_ids,
+            s.logprobs,
+            s.finish_reason,
+            result.weight_version,
+            result.worker_id,
+            s.top_logprobs,
+        )
         for s in sorted(result.samples, key=lambda s: s.index)
-    ]  # fmt: skip
+    ]
 
 
 class _Pending:
@@ -162,20 +175,27 @@ class AsyncRolloutClient:
             await self._send(p.SUBMIT, jobs[start : start + size])
         return handles
 
-    async def submit(self, prompt: Prompt, sampling: p.SamplingParams | None = None, *,
-                     min_weight_version: int = 0) -> list[Rollout]:  # fmt: skip
+    async def submit(
+        self, prompt: Prompt, sampling: p.SamplingParams | None = None, *, min_weight_version: int = 0
+    ) -> list[Rollout]:
         """Run one prompt; returns its ``n`` rollouts. Awaiting it waits for the answer."""
-        return (await self.generate([prompt], sampling, min_weight_version=min_weight_version))
+        return await self.generate([prompt], sampling, min_weight_version=min_weight_version)
 
-    async def generate(self, prompts: Prompt | Sequence[Prompt], sampling: p.SamplingParams | None = None, *,
-                       timeout: float | None = -1.0, min_weight_version: int = 0) -> list[Rollout]:  # fmt: skip
+    async def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: p.SamplingParams | None = None,
+        *,
+        timeout: float | None = -1.0,
+        min_weight_version: int = 0,
+    ) -> list[Rollout]:
         """Run every prompt; returns ``n`` rollouts per prompt, prompt-major, in input order.
 
         Each item of ``prompts`` is one prompt: a string, a list of token ids, or a list of
         chat messages. A single string is one prompt.
         """
         sampling = sampling or p.SamplingParams()
-        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        items: list[Prompt] = [prompts] if isinstance(prompts, str) else list(prompts)  # type: ignore[arg-type]
         jobs = [make_job(self._new_id(), item, sampling, min_weight_version=min_weight_version) for item in items]
         handles = await self.submit_jobs(jobs)
         results = await self._wait([h.future for h in handles], jobs, timeout)
@@ -189,21 +209,23 @@ class AsyncRolloutClient:
         try:
             return await asyncio.wait_for(asyncio.gather(*futures), limit)
         except asyncio.TimeoutError:
-            left = [j.job_id for j, f in zip(jobs, futures) if not f.done()]
+            left = [j.job_id for j, f in zip(jobs, futures, strict=False) if not f.done()]
             await self.cancel(left)
             raise RolloutTimeoutError(
                 f"{len(left)} of {len(jobs)} jobs had no result after {limit} s; they were cancelled "
                 "(raise ClientConfig.timeout or pass timeout=)"
             ) from None
         except BaseException:
-            await self.cancel([j.job_id for j, f in zip(jobs, futures) if not f.done()])
+            await self.cancel([j.job_id for j, f in zip(jobs, futures, strict=False) if not f.done()])
             raise
 
-    async def stream(self, prompt: Prompt, sampling: p.SamplingParams | None = None, *,
-                     min_weight_version: int = 0) -> AsyncIterator[TokenDelta | Rollout]:  # fmt: skip
+    async def stream(
+        self, prompt: Prompt, sampling: p.SamplingParams | None = None, *, min_weight_version: int = 0
+    ) -> AsyncIterator[TokenDelta | Rollout]:
         """Yield ``TokenDelta``s as tokens arrive, then the job's ``Rollout``s."""
-        job = make_job(self._new_id(), prompt, sampling or p.SamplingParams(), stream=True,
-                       min_weight_version=min_weight_version)  # fmt: skip
+        job = make_job(
+            self._new_id(), prompt, sampling or p.SamplingParams(), stream=True, min_weight_version=min_weight_version
+        )
         (handle,) = await self.submit_jobs([job], stream=True)
         assert handle.stream is not None
         try:
@@ -280,20 +302,17 @@ class AsyncRolloutClient:
                     handle.stream.put_nowait(None)
                 if not handle.future.done():
                     handle.future.set_exception(error_from_code(item.code, item.message, item.key))
-        elif command == p.STATUS_REPLY:
-            if self._status_waiters:
-                waiter = self._status_waiters.pop(0)
-                if not waiter.done():
-                    waiter.set_result(body)
+        elif command == p.STATUS_REPLY and self._status_waiters:
+            waiter = self._status_waiters.pop(0)
+            if not waiter.done():
+                waiter.set_result(body)
 
     async def close(self) -> None:
         if self._closed:
             return
         if self._sock is not None:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 await self._sock.send_multipart(codec.encode(p.DISCONNECT, None))
-            except zmq.ZMQError:
-                pass
         self._closed = True
         for task in self._tasks:
             task.cancel()
@@ -327,16 +346,20 @@ class RolloutClient:
     def config(self) -> ClientConfig:
         return self._async.config
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling: p.SamplingParams | None = None,
-                 **kwargs: Any) -> list[Rollout]:  # fmt: skip
-        return self._call(self._async.generate(prompts, sampling, **kwargs))  # type: ignore[no-any-return]
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling: p.SamplingParams | None = None, **kwargs: Any
+    ) -> list[Rollout]:
+        return self._call(self._async.generate(prompts, sampling, **kwargs))
 
-    def submit(self, prompt: Prompt, sampling: p.SamplingParams | None = None,
-               **kwargs: Any) -> concurrent.futures.Future[list[Rollout]]:  # fmt: skip
+    def submit(
+        self, prompt: Prompt, sampling: p.SamplingParams | None = None, **kwargs: Any
+    ) -> concurrent.futures.Future[list[Rollout]]:
         """Start one prompt; the returned future resolves to its rollouts."""
         return asyncio.run_coroutine_threadsafe(self._async.submit(prompt, sampling, **kwargs), self._loop)
 
-    def stream(self, prompt: Prompt, sampling: p.SamplingParams | None = None, **kwargs: Any) -> Iterator[TokenDelta | Rollout]:
+    def stream(
+        self, prompt: Prompt, sampling: p.SamplingParams | None = None, **kwargs: Any
+    ) -> Iterator[TokenDelta | Rollout]:
         agen = self._async.stream(prompt, sampling, **kwargs)
         try:
             while True:
@@ -351,7 +374,7 @@ class RolloutClient:
         self._call(self._async.cancel(job_ids))
 
     def status(self) -> p.StatusReply:
-        return self._call(self._async.status())  # type: ignore[no-any-return]
+        return self._call(self._async.status())
 
     def close(self) -> None:
         if self._thread.is_alive():

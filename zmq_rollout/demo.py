@@ -29,11 +29,15 @@ def run_demo(*, num_prompts: int = 32, n: int = 2, max_tokens: int = 24, num_wor
         num_tokens = sum(len(r.token_ids) for r in rollouts)
         by_worker = collections.Counter(r.worker_id for r in rollouts)
         first = rollouts[0]
-        print(f"[demo] {len(rollouts)} rollouts ({num_prompts} prompts x n={n}), {num_tokens} tokens "
-              f"in {elapsed:.2f} s = {num_tokens / elapsed:.0f} tok/s")  # fmt: skip
+        print(
+            f"[demo] {len(rollouts)} rollouts ({num_prompts} prompts x n={n}), {num_tokens} tokens "
+            f"in {elapsed:.2f} s = {num_tokens / elapsed:.0f} tok/s"
+        )
         print(f"[demo] per worker: {dict(by_worker)}; weight versions: {sorted({r.weight_version for r in rollouts})}")
-        print(f"[demo] first rollout: prompt {len(first.prompt_token_ids)} tokens -> {first.token_ids[:8]}... "
-              f"logprobs {[round(x, 3) for x in first.logprobs[:4]]}... finish={first.finish_reason}")  # fmt: skip
+        print(
+            f"[demo] first rollout: prompt {len(first.prompt_token_ids)} tokens -> {first.token_ids[:8]}... "
+            f"logprobs {[round(x, 3) for x in first.logprobs[:4]]}... finish={first.finish_reason}"
+        )
         print(f"[demo] broker saw {len(status.workers)} worker(s), {status.queued} queued, {status.running} running")
         print("[demo] clean shutdown done")
         ok = len(rollouts) == num_prompts * n and all(r.token_ids for r in rollouts)

@@ -6,6 +6,7 @@ and the integration tests use it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -20,16 +21,31 @@ from zmq_rollout.errors import RolloutTimeoutError
 
 log = logging.getLogger(__name__)
 
-CPU_WORKER_DEFAULTS = {"gpu_memory_utilization": 0.1, "max_model_len": 1024, "max_num_seqs": 64}
+# Defaults for workers started on this machine (tests, demo). On CPU builds of vLLM the
+# memory fraction is of RAM. ZMQ_ROLLOUT_ATTENTION_BACKEND picks the attention backend
+# (the GPU test runs set TRITON_ATTN).
+LOCAL_WORKER_DEFAULTS: dict[str, Any] = {
+    "gpu_memory_utilization": 0.1,
+    "max_model_len": 1024,
+    "max_num_seqs": 64,
+    "attention_backend": os.environ.get("ZMQ_ROLLOUT_ATTENTION_BACKEND") or None,
+}
 
 
 class LocalCluster:
-    def __init__(self, model: str, *, num_workers: int = 1, broker_config: BrokerConfig | None = None,
-                 worker_overrides: dict[str, Any] | None = None, log_dir: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: str,
+        *,
+        num_workers: int = 1,
+        broker_config: BrokerConfig | None = None,
+        worker_overrides: dict[str, Any] | None = None,
+        log_dir: str | None = None,
+    ) -> None:
         self.model = model
         self.num_workers = num_workers
         self.broker_config = broker_config or BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*")
-        self.worker_overrides = {**CPU_WORKER_DEFAULTS, **(worker_overrides or {})}
+        self.worker_overrides = {**LOCAL_WORKER_DEFAULTS, **(worker_overrides or {})}
         self.log_dir = log_dir
         self.broker: BrokerThread | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
@@ -51,13 +67,19 @@ class LocalCluster:
         from zmq_rollout.workers.main import cli_args
 
         assert self.broker is not None
-        config = WorkerConfig(broker=self.broker.broker.backend_address, model=self.model, name=name, **self.worker_overrides)
+        config = WorkerConfig(
+            broker=self.broker.broker.backend_address, model=self.model, name=name, **self.worker_overrides
+        )
         out: Any = subprocess.DEVNULL
         if self.log_dir:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed in stop()
             self._logs.append(out)
-        proc = subprocess.Popen([sys.executable, "-m", "zmq_rollout.cli", "worker", *cli_args(config)],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zmq_rollout.cli", "worker", *cli_args(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.workers[name] = proc
         return proc
 
@@ -85,10 +107,8 @@ class LocalCluster:
         """Wait for a worker process that is ending, forget it, return its exit code."""
         proc = self.workers.pop(name)
         code = proc.wait(timeout=timeout)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # leftovers of its group (engine processes)
-        except ProcessLookupError:
-            pass
         return code
 
     def stop(self) -> None:

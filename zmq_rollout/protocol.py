@@ -49,11 +49,23 @@ JOBS = b"\x31"  # list[Assignment]
 CONTROL = b"\x32"  # Control: a step of a control round (weight sync); reserved in v1
 
 COMMAND_NAMES = {
-    SUBMIT: "submit", CANCEL: "cancel", STATUS: "status", HEARTBEAT: "heartbeat",
-    DISCONNECT: "disconnect", ACCEPTED: "accepted", PARTIAL: "partial", FINAL: "final",
-    ERROR: "error", BUSY: "busy", STATUS_REPLY: "status_reply", READY: "ready",
-    CREDIT: "credit", CONTROL_ACK: "control_ack", JOBS: "jobs", CONTROL: "control",
-}  # fmt: skip
+    SUBMIT: "submit",
+    CANCEL: "cancel",
+    STATUS: "status",
+    HEARTBEAT: "heartbeat",
+    DISCONNECT: "disconnect",
+    ACCEPTED: "accepted",
+    PARTIAL: "partial",
+    FINAL: "final",
+    ERROR: "error",
+    BUSY: "busy",
+    STATUS_REPLY: "status_reply",
+    READY: "ready",
+    CREDIT: "credit",
+    CONTROL_ACK: "control_ack",
+    JOBS: "jobs",
+    CONTROL: "control",
+}
 
 # -- limits (checked on decode) --------------------------------------------------------------
 MAX_JOB_ID = 128
@@ -139,8 +151,10 @@ class JobSpec(Struct):
     min_weight_version: int = 0
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID,
-                 f"job_id must be a string of 1..{MAX_JOB_ID} characters")  # fmt: skip
+        _require(
+            isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID,
+            f"job_id must be a string of 1..{MAX_JOB_ID} characters",
+        )
         given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
         _require(sum(given) == 1, "give exactly one of prompt, messages, prompt_token_ids")
         if self.prompt is not None:

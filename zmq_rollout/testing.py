@@ -22,7 +22,9 @@ def echo_result(assignment: p.Assignment, name: str, weight_version: int) -> p.R
     """A fake completion: the prompt's token ids (or its length) echoed back."""
     job = assignment.job
     prompt_ids = job.prompt_token_ids or [len(job.prompt or "")]
-    samples = [p.Sample(i, list(prompt_ids[:4]), [0.0] * min(4, len(prompt_ids)), "length") for i in range(job.sampling.n)]
+    samples = [
+        p.Sample(i, list(prompt_ids[:4]), [0.0] * min(4, len(prompt_ids)), "length") for i in range(job.sampling.n)
+    ]
     return p.Result(assignment.ticket, prompt_ids, samples, weight_version, name)
 
 
@@ -33,8 +35,16 @@ class EchoWorkerDouble:
     ``hold=True`` keeps jobs without answering them until ``release()``, to test requeue.
     """
 
-    def __init__(self, address: str, *, credits: int = 64, name: str | None = None, heartbeat: float = 0.2,
-                 hold: bool = False, weight_version: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        *,
+        credits: int = 64,
+        name: str | None = None,
+        heartbeat: float = 0.2,
+        hold: bool = False,
+        weight_version: int = 0,
+    ) -> None:
         self.address = address
         self.name = name or f"echo-double-{uuid.uuid4().hex[:6]}"
         self.credits = credits
@@ -64,7 +74,7 @@ class EchoWorkerDouble:
         self.stop()
 
     def run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[Any] = zmq.Context.instance()
         decoder = codec.Decoder(codec.TO_WORKER)
         sock = self._connect(ctx)
         next_beat = time.monotonic() + self.heartbeat

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_model"]
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "make_tiny_model"]
 
 #: Special tokens, appended after the 256 byte tokens (ids 256, 257, 258).
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -33,9 +33,7 @@ CHAT_TEMPLATE: str = (
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character mapping."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     mapping: dict[int, str] = {b: chr(b) for b in printable}
     extra = 0
@@ -124,9 +122,7 @@ def make_tiny_model(
         model = Qwen2ForCausalLM(config).to(torch_dtype)
     finally:
         torch.random.set_rng_state(rng_state)  # leave the caller's RNG untouched
-    model.generation_config = GenerationConfig(
-        bos_token_id=eot_id, eos_token_id=im_end_id, pad_token_id=eot_id
-    )
+    model.generation_config = GenerationConfig(bos_token_id=eot_id, eos_token_id=im_end_id, pad_token_id=eot_id)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
     # Portable across transformers 4.x/5.x: a class name both know, and the
