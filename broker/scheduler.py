@@ -155,6 +155,7 @@ class Scheduler:
             if self._drop_job(client, jid):
                 self.stats.cancelled += 1
                 self.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "cancelled", "cancelled by the client"))
+        self.dispatch(now)
 
     def _drop_job(self, client: ClientState, jid: str) -> bool:
         """Remove a job wherever it is; abort it on its worker. False if unknown."""
@@ -174,7 +175,7 @@ class Scheduler:
                 self.outbox.to_worker(worker.identity, p.CANCEL, where[1])
         return True
 
-    def client_gone(self, identity: ClientId, reason: str) -> None:
+    def client_gone(self, identity: ClientId, reason: str, now: float) -> None:
         client = self.clients.pop(identity, None)
         if client is None:
             return
@@ -186,6 +187,7 @@ class Scheduler:
             self._waiting.remove(client)
         self.stats.dropped_client_gone += len(dropped)
         log.info("client %s gone (%s): dropped %d jobs", client.name, reason, len(dropped))
+        self.dispatch(now)  # its credits are free for the others
 
     # -- workers ---------------------------------------------------------------------------
     def worker_ready(self, identity: WorkerId, info: p.WorkerInfo, now: float) -> None:
@@ -310,7 +312,7 @@ class Scheduler:
             self.outbox.to_worker(identity, p.DISCONNECT, None)
             self.worker_gone(identity, "heartbeat expired", now)
         for identity in [c for c, s in self.clients.items() if now - s.last_seen > cfg.client_expiry]:
-            self.client_gone(identity, "heartbeat expired")
+            self.client_gone(identity, "heartbeat expired", now)
         for identity in self.workers:
             self.outbox.to_worker(identity, p.HEARTBEAT, None)
 

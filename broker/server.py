@@ -146,7 +146,7 @@ class Broker:
                 if side == WORKER:
                     self.scheduler.worker_gone(identity, f"unroutable: {exc.strerror}", now)
                 else:
-                    self.scheduler.client_gone(identity, f"unroutable: {exc.strerror}")
+                    self.scheduler.client_gone(identity, f"unroutable: {exc.strerror}", now)
         if len(self.scheduler.outbox):  # a purge above may have requeued and dispatched
             self._flush(now)
 
@@ -191,13 +191,17 @@ class Broker:
             sched.client_seen(identity, now)
             sched.outbox.to_client(identity, p.STATUS_REPLY, sched.status(now))
         elif command == p.DISCONNECT:
-            sched.client_gone(identity, "client disconnected")
+            sched.client_gone(identity, "client disconnected", now)
 
     def _salvage_submit(self, identity: bytes, header: Any, now: float) -> None:
         try:
             jobs, errors = split_submit(header)
         except ProtocolError as exc:
             self._reject(identity, "invalid", str(exc))
+            return
+        if len(jobs) + len(errors) > p.MAX_JOBS_PER_MESSAGE:
+            n = len(jobs) + len(errors)
+            self._reject(identity, "oversize", f"{n} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}")
             return
         for err in errors:
             self._reject(identity, "invalid_job", err.message, err.key, "invalid_request")  # type: ignore[arg-type]

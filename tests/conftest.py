@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import zmq
+
 from zmq_rollout.broker.scheduler import Scheduler
 from zmq_rollout.broker.server import BrokerThread
 from zmq_rollout.broker.stats import BrokerStats
-
 from zmq_rollout.client import RolloutClient
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.testing import EchoWorkerDouble
@@ -83,9 +83,7 @@ def start_broker() -> Iterator[Callable[..., RunningBroker]]:
         settings.update(overrides)
         thread = BrokerThread(BrokerConfig(**settings))
         # Read the endpoints before the loop thread owns the sockets (they are not thread-safe).
-        running = RunningBroker(
-            thread, thread.broker.frontend_address, thread.broker.backend_address
-        )
+        running = RunningBroker(thread, thread.broker.frontend_address, thread.broker.backend_address)
         thread.__enter__()
         started.append(thread)
         return running
@@ -101,17 +99,13 @@ def start_double(start_broker: Any) -> Iterator[Callable[..., EchoWorkerDouble]]
     and (by default) registered with the broker before it returns."""
     doubles: list[EchoWorkerDouble] = []
 
-    def start(
-        broker: RunningBroker, *, registered: bool = True, **options: Any
-    ) -> EchoWorkerDouble:
+    def start(broker: RunningBroker, *, registered: bool = True, **options: Any) -> EchoWorkerDouble:
         options.setdefault("heartbeat", 0.05)
         double = EchoWorkerDouble(broker.backend, **options)
         double.start()
         doubles.append(double)
         if registered:
-            poll_until(
-                lambda: broker.has_worker(double.name), what=f"worker {double.name} to register"
-            )
+            poll_until(lambda: broker.has_worker(double.name), what=f"worker {double.name} to register")
         return double
 
     yield start
@@ -137,7 +131,7 @@ def raw_socket() -> Iterator[Callable[[int], zmq.Socket[Any]]]:
 
 @pytest.fixture
 def start_client(start_broker: Any) -> Iterator[Callable[..., RolloutClient]]:
-    """``start_client(address, **ClientConfig overrides)``: a blocking client, closed at teardown."""
+    """``start_client(address, **ClientConfig overrides)``: a blocking client, closed at the end."""
     clients: list[RolloutClient] = []
 
     def start(address: str, **overrides: Any) -> RolloutClient:

@@ -23,9 +23,7 @@ def send(sock: zmq.Socket[Any], command: bytes, body: Any = None) -> None:
     sock.send_multipart(codec.encode(command, body))
 
 
-def receive(
-    sock: zmq.Socket[Any], decoder: codec.Decoder, command: bytes, timeout: float = 5.0
-) -> Any:
+def receive(sock: zmq.Socket[Any], decoder: codec.Decoder, command: bytes, timeout: float = 5.0) -> Any:
     """The body of the next message with ``command`` (others, e.g. heartbeats, are skipped)."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
@@ -42,15 +40,13 @@ def collect(
     timeout: float = 5.0,
     settle: float = 0.2,
 ) -> list[codec.Message]:
-    """Messages to a raw client until ``done(messages)``, then any that follow within ``settle`` s."""
+    """Messages to a raw client until ``done(messages)``, then those within ``settle`` s more."""
     messages: list[codec.Message] = []
     deadline = time.monotonic() + timeout
     while not done(messages):
         left = deadline - time.monotonic()
         if left <= 0:
-            pytest.fail(
-                f"timed out; got {[(p.COMMAND_NAMES[m.command], m.body) for m in messages]}"
-            )
+            pytest.fail(f"timed out; got {[(p.COMMAND_NAMES[m.command], m.body) for m in messages]}")
         if sock.poll(int(left * 1000) + 1):
             messages.append(FROM_BROKER_TO_CLIENT.decode(sock.recv_multipart()))
     while sock.poll(int(settle * 1000)):
@@ -67,17 +63,13 @@ def raw_job(job_id: Any, sampling: list[Any], prompt: str = "hi") -> list[Any]:
 
 
 # -- the happy path -----------------------------------------------------------------------
-def test_generate_through_two_doubles(
-    start_broker: Any, start_double: Any, start_client: Any
-) -> None:
+def test_generate_through_two_doubles(start_broker: Any, start_double: Any, start_client: Any) -> None:
     broker = start_broker()
     doubles = [start_double(broker, credits=4), start_double(broker, credits=4)]
     client = start_client(broker.frontend)
     prompts = [[i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(20)]
     rollouts = client.generate(prompts, SamplingParams(n=2, max_tokens=4))
-    assert [(r.prompt_index, r.index) for r in rollouts] == [
-        (i, s) for i in range(20) for s in range(2)
-    ]
+    assert [(r.prompt_index, r.index) for r in rollouts] == [(i, s) for i in range(20) for s in range(2)]
     for r in rollouts:
         assert r.prompt_token_ids == prompts[r.prompt_index]
         assert r.token_ids == prompts[r.prompt_index][:4]
@@ -103,12 +95,8 @@ def test_client_heartbeat_is_answered(start_broker: Any, raw_socket: Any) -> Non
     [
         pytest.param([b"ZR0", p.STATUS, b"\xc0"], "bad protocol signature", id="bad-signature"),
         pytest.param([p.SIGNATURE, b"\x7f", b"\xc0"], "unknown command", id="unknown-command"),
-        pytest.param(
-            [p.SIGNATURE, p.SUBMIT, b"\xc1\xc1"], "invalid submit message", id="garbage-submit"
-        ),
-        pytest.param(
-            [p.SIGNATURE, p.CANCEL, b"\xc1"], "invalid cancel message", id="garbage-cancel"
-        ),
+        pytest.param([p.SIGNATURE, p.SUBMIT, b"\xc1\xc1"], "invalid submit message", id="garbage-submit"),
+        pytest.param([p.SIGNATURE, p.CANCEL, b"\xc1"], "invalid cancel message", id="garbage-cancel"),
         pytest.param([p.SIGNATURE, p.STATUS], "expected at least 3 frames", id="too-few-frames"),
     ],
 )
@@ -135,9 +123,7 @@ def test_malformed_client_message_gets_an_error_and_others_go_on(
     assert broker.stats.completed == 2
 
 
-def test_submit_with_one_invalid_job_among_valid_ones(
-    start_broker: Any, start_double: Any, raw_socket: Any
-) -> None:
+def test_submit_with_one_invalid_job_among_valid_ones(start_broker: Any, start_double: Any, raw_socket: Any) -> None:
     broker = start_broker()
     start_double(broker)
     client = raw_socket(zmq.DEALER)
@@ -149,9 +135,7 @@ def test_submit_with_one_invalid_job_among_valid_ones(
         raw_job("ok-2", [2]),
     ]
     client.send_multipart([p.SIGNATURE, p.SUBMIT, msgpack.packb(header)])
-    messages = collect(
-        client, lambda ms: len(items(ms, p.FINAL)) == 2 and len(items(ms, p.ERROR)) == 2
-    )
+    messages = collect(client, lambda ms: len(items(ms, p.FINAL)) == 2 and len(items(ms, p.ERROR)) == 2)
     assert sorted(r.key for r in items(messages, p.FINAL)) == ["ok-1", "ok-2"]
     assert items(messages, p.ACCEPTED) == ["ok-1", "ok-2"]
     errors = {e.key: e for e in items(messages, p.ERROR)}
@@ -179,9 +163,24 @@ def test_oversize_message_is_refused(start_broker: Any, raw_socket: Any) -> None
     assert receive(client, FROM_BROKER_TO_CLIENT, p.ACCEPTED) == ["small"]
 
 
-def test_busy_is_raised_by_the_client(
-    start_broker: Any, start_client: Any, wait_until: Any
-) -> None:
+@pytest.mark.parametrize("with_invalid_job", [False, True], ids=["all-valid", "one-invalid"])
+def test_too_many_jobs_in_one_submit_are_refused(with_invalid_job: bool, start_broker: Any, raw_socket: Any) -> None:
+    """The MAX_JOBS_PER_MESSAGE limit holds whether or not the message also needs salvaging."""
+    broker = start_broker()
+    client = raw_socket(zmq.DEALER)
+    client.connect(broker.frontend)
+    header = [raw_job(f"j{i}", []) for i in range(p.MAX_JOBS_PER_MESSAGE + 1)]
+    if with_invalid_job:
+        header[0] = raw_job("j0", [0])
+    client.send_multipart([p.SIGNATURE, p.SUBMIT, msgpack.packb(header)])
+    (err,) = receive(client, FROM_BROKER_TO_CLIENT, p.ERROR)
+    assert (err.key, err.code) == (None, "protocol")
+    assert f"the limit is {p.MAX_JOBS_PER_MESSAGE}" in err.message
+    assert broker.stats.malformed == {"oversize": 1}
+    assert broker.stats.submitted == 0
+
+
+def test_busy_is_raised_by_the_client(start_broker: Any, start_client: Any, wait_until: Any) -> None:
     broker = start_broker(max_queue_per_client=2)  # and no worker: nothing leaves the queue
     client = start_client(broker.frontend)
     with pytest.raises(BusyError, match="max_queue_per_client") as info:
@@ -209,9 +208,7 @@ def test_jobs_of_a_dead_worker_complete_elsewhere_exactly_once(
     assert [len(r) for r in results] == [1, 1, 1, 1]
     assert {r[0].worker_id for r in results} == {rescuer.name}
     assert [r[0].prompt_token_ids for r in results] == [[i + 1, i + 2] for i in range(4)]
-    assert Counter(a.job.job_id for a in rescuer.received) == Counter(
-        a.job.job_id for a in holder.received
-    )
+    assert Counter(a.job.job_id for a in rescuer.received) == Counter(a.job.job_id for a in holder.received)
     assert set(Counter(a.job.job_id for a in rescuer.received).values()) == {1}
     assert broker.stats.requeued == 4
     assert broker.stats.completed == 4
@@ -237,9 +234,7 @@ def test_silent_worker_expires_and_its_late_final_is_dropped(
     assert not broker.has_worker("silent")
     # It wakes up and answers under the old tickets: too late, the jobs went elsewhere.
     send(silent, p.FINAL, [echo_result(a, "silent", 0) for a in assignments])
-    wait_until(
-        lambda: broker.stats.unknown_worker_messages >= 1, what="the late FINAL to be refused"
-    )
+    wait_until(lambda: broker.stats.unknown_worker_messages >= 1, what="the late FINAL to be refused")
     assert receive(silent, FROM_BROKER_TO_WORKER, p.DISCONNECT) is None
 
     messages = collect(client, lambda ms: len(items(ms, p.FINAL)) >= 3)
@@ -275,9 +270,7 @@ def test_broker_survives_a_worker_sending_garbage(
 
 
 # -- clients that leave -------------------------------------------------------------------
-def test_client_disconnect_drops_its_queued_jobs(
-    start_broker: Any, start_client: Any, wait_until: Any
-) -> None:
+def test_client_disconnect_drops_its_queued_jobs(start_broker: Any, start_client: Any, wait_until: Any) -> None:
     broker = start_broker()  # no worker: the jobs stay queued
     client = start_client(broker.frontend)
     for i in range(5):

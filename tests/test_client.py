@@ -28,9 +28,7 @@ from zmq_rollout import protocol as p
 from zmq_rollout.client import make_job
 
 
-async def async_wait_until(
-    predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition"
-) -> None:
+async def async_wait_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -93,9 +91,7 @@ def test_make_job_input_forms(prompt: Any, field: str, expected: Any) -> None:
         pytest.param("", "prompt must be", id="empty-string"),
         pytest.param([3, -1], "non-negative", id="negative-id"),
         pytest.param([{"role": "user"}], "content", id="chat-dict-without-content"),
-        pytest.param(
-            [{"role": "user", "content": "hi", "name": "bob"}], "name", id="chat-dict-unknown-key"
-        ),
+        pytest.param([{"role": "user", "content": "hi", "name": "bob"}], "name", id="chat-dict-unknown-key"),
     ],
 )
 def test_make_job_refuses_bad_forms(prompt: Any, message: str) -> None:
@@ -125,18 +121,12 @@ def test_invalid_requests_fail_before_anything_is_sent(start_client: Any, raw_so
 
 
 # -- against a broker ---------------------------------------------------------------------
-def test_generate_returns_rollouts_per_prompt_in_order(
-    start_broker: Any, start_double: Any, start_client: Any
-) -> None:
+def test_generate_returns_rollouts_per_prompt_in_order(start_broker: Any, start_double: Any, start_client: Any) -> None:
     broker = start_broker()
     double = start_double(broker)
     client = start_client(broker.frontend)
-    rollouts = client.generate(
-        ["abc", [7, 8, 9], [{"role": "user", "content": "hi"}]], SamplingParams(n=2)
-    )
-    assert [(r.prompt_index, r.index) for r in rollouts] == [
-        (i, s) for i in range(3) for s in range(2)
-    ]
+    rollouts = client.generate(["abc", [7, 8, 9], [{"role": "user", "content": "hi"}]], SamplingParams(n=2))
+    assert [(r.prompt_index, r.index) for r in rollouts] == [(i, s) for i in range(3) for s in range(2)]
     assert [r.prompt_token_ids for r in rollouts[::2]] == [
         [3],
         [7, 8, 9],
@@ -173,7 +163,7 @@ def test_timeout_names_the_setting(start_broker: Any, start_double: Any, start_c
     assert time.monotonic() - started < 3
     assert "ClientConfig.timeout" in str(info.value)
     assert isinstance(info.value, TimeoutError)
-    with pytest.raises(RolloutTimeoutError, match="after 0.1 s"):
+    with pytest.raises(RolloutTimeoutError, match=r"after 0\.1 s"):
         client.generate(["z"], timeout=0.1)  # per call
 
 
@@ -186,9 +176,7 @@ def test_timed_out_jobs_are_cancelled_on_the_broker(
     with pytest.raises(RolloutTimeoutError) as info:
         client.generate(["x", "y"])
     assert str(info.value).startswith("2 of 2 jobs had no result after 0.3 s; they were cancelled")
-    wait_until(
-        lambda: len(holder.cancelled) == 2, what="the broker to cancel the jobs on the worker"
-    )
+    wait_until(lambda: len(holder.cancelled) == 2, what="the broker to cancel the jobs on the worker")
     assert sorted(holder.cancelled) == sorted(a.ticket for a in holder.received)
     assert broker.stats.cancelled == 2
 
@@ -224,23 +212,17 @@ def test_worker_error_is_raised_as_its_class(
 
 
 @pytest.mark.parametrize("where", ["queued", "running"])
-def test_async_cancel_raises_job_cancelled(
-    where: str, start_broker: Any, start_double: Any
-) -> None:
+def test_async_cancel_raises_job_cancelled(where: str, start_broker: Any, start_double: Any, wait_until: Any) -> None:
     broker = start_broker()
     holder = start_double(broker, hold=True) if where == "running" else None
 
     async def main() -> None:
         async with AsyncRolloutClient(broker.frontend) as client:
-            (handle,) = await client.submit_jobs(
-                [make_job("job-to-cancel", "hi", SamplingParams())]
-            )
+            (handle,) = await client.submit_jobs([make_job("job-to-cancel", "hi", SamplingParams())])
             if holder is not None:
                 await async_wait_until(lambda: holder.held, what="the job to reach the worker")
             else:
-                await async_wait_until(
-                    lambda: broker.scheduler.num_queued == 1, what="the job to be queued"
-                )
+                await async_wait_until(lambda: broker.scheduler.num_queued == 1, what="the job to be queued")
             await client.cancel(["job-to-cancel"])
             with pytest.raises(JobCancelledError) as info:
                 await asyncio.wait_for(handle.future, 5)
@@ -248,8 +230,8 @@ def test_async_cancel_raises_job_cancelled(
 
     asyncio.run(main())
     assert broker.stats.cancelled == 1
-    if holder is not None:
-        assert holder.cancelled == [holder.received[0].ticket]
+    if holder is not None:  # the broker aborts it on the worker too
+        wait_until(lambda: holder.cancelled == [holder.received[0].ticket], what="the worker to get CANCEL")
 
 
 def test_stream_ends_with_rollouts_when_only_final_comes(
@@ -298,9 +280,7 @@ def test_async_close_fails_pending_calls(start_broker: Any, start_double: Any) -
     asyncio.run(main())
 
 
-def test_blocking_close_fails_pending_futures(
-    start_broker: Any, start_double: Any, wait_until: Any
-) -> None:
+def test_blocking_close_fails_pending_futures(start_broker: Any, start_double: Any, wait_until: Any) -> None:
     """Repeated, with fresh clients, because whether a pending call is settled before the
     client's loop stops is a race: every one of them must end in ClientClosedError."""
     broker = start_broker()
@@ -309,9 +289,7 @@ def test_blocking_close_fails_pending_futures(
         client = zmq_rollout.RolloutClient(broker.frontend)
         try:
             future = client.submit("x")
-            wait_until(
-                lambda n=attempt + 1: len(holder.received) == n, what="the job to reach the worker"
-            )
+            wait_until(lambda n=attempt + 1: len(holder.received) == n, what="the job to reach the worker")
         finally:
             client.close()
         try:

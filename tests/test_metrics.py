@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from zmq_rollout.broker.metrics import SchedulerCollector, serve_metrics
-from zmq_rollout.broker.scheduler import Scheduler
 
 from zmq_rollout import protocol as p
+from zmq_rollout.broker.metrics import SchedulerCollector, serve_metrics
+from zmq_rollout.broker.scheduler import Scheduler
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.metrics import MetricsServer
 
@@ -38,9 +38,7 @@ def busy_scheduler() -> Scheduler:
     s = Scheduler(BrokerConfig(max_queue_per_client=6))
     s.worker_ready(W1, p.WorkerInfo("w1", "tiny", 2), now=0.0)
     s.worker_ready(W2, p.WorkerInfo("w2", "tiny", 1), now=0.0)
-    s.submit(
-        A, [p.JobSpec(f"a{i}", prompt="x") for i in range(7)], now=0.0
-    )  # 3 run, 3 queued, 1 busy
+    s.submit(A, [p.JobSpec(f"a{i}", prompt="x") for i in range(7)], now=0.0)  # 3 run, 3 queued, 1 busy
     s.submit(B, [p.JobSpec("b0", prompt="x")], now=0.0)
     tickets = sorted(s.workers[W1].running)
     s.worker_final(W1, [p.Result(tickets[0], [1], [], 0, "w1")], now=0.3)  # completed in 0.3 s
@@ -81,17 +79,9 @@ def test_job_counters(server: MetricsServer, scheduler: Scheduler) -> None:
 def test_queue_and_worker_gauges(server: MetricsServer, scheduler: Scheduler) -> None:
     samples = scrape(server)
     # The final and the error freed W1's two credits for a3 and b0 (fair turns); a4, a5 wait.
-    assert (
-        samples[("zmq_rollout_queue_depth", (("client", "trainer-a"),))]
-        == len(scheduler.clients[A].queued)
-        == 2
-    )
+    assert samples[("zmq_rollout_queue_depth", (("client", "trainer-a"),))] == len(scheduler.clients[A].queued) == 2
     assert samples[("zmq_rollout_queue_depth", (("client", "trainer-b"),))] == 0
-    assert (
-        samples[("zmq_rollout_running_jobs", (("client", "trainer-a"),))]
-        == len(scheduler.clients[A].running)
-        == 2
-    )
+    assert samples[("zmq_rollout_running_jobs", (("client", "trainer-a"),))] == len(scheduler.clients[A].running) == 2
     assert samples[("zmq_rollout_running_jobs", (("client", "trainer-b"),))] == 1
     assert samples[("zmq_rollout_queued_jobs", ())] == scheduler.num_queued == 2
     assert samples[("zmq_rollout_workers", (("state", "ready"),))] == 2

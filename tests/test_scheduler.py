@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from zmq_rollout import protocol as p
 from zmq_rollout.broker.outbox import CLIENT, WORKER
 from zmq_rollout.broker.scheduler import Scheduler
-
-from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
 
 A, B = b"client-a", b"client-b"
@@ -48,10 +47,7 @@ def assigned_ids(sent: Sent, worker: bytes) -> list[str]:
 
 
 def finish(s: Scheduler, worker: bytes, assignments: list[p.Assignment], now: float = 1.0) -> None:
-    results = [
-        p.Result(a.ticket, [1], [p.Sample(0, [2], [-0.5], "stop")], 0, worker.decode())
-        for a in assignments
-    ]
+    results = [p.Result(a.ticket, [1], [p.Sample(0, [2], [-0.5], "stop")], 0, worker.decode()) for a in assignments]
     s.worker_final(worker, results, now)
 
 
@@ -289,7 +285,7 @@ def test_client_gone_drops_queue_and_cancels_running() -> None:
     ready(s, W1, 1)
     s.submit(A, jobs("a", 3), now=0.0)
     (assignment,) = assigned(s.outbox.drain(), W1)
-    s.client_gone(A, "client disconnected")
+    s.client_gone(A, "client disconnected", 1.0)
     sent = s.outbox.drain()
     assert body(sent, WORKER, W1, p.CANCEL) == [assignment.ticket]
     assert commands(sent, A) == set()  # nobody to tell
@@ -309,7 +305,7 @@ def test_client_gone_dispatches_other_clients_into_the_freed_credits() -> None:
     s.submit(A, jobs("a", 1), now=0.0)
     s.submit(B, jobs("b", 1), now=0.0)
     s.outbox.drain()
-    s.client_gone(A, "client disconnected")
+    s.client_gone(A, "client disconnected", 1.0)
     assert assigned_ids(s.outbox.drain(), W1) == ["b0"]
 
 
@@ -331,7 +327,7 @@ def test_tick_sends_heartbeats_to_workers() -> None:
     s = make()
     ready(s, W1, 1)
     ready(s, W2, 1)
-    s.submit(A, [], now=0.0)
+    s.client_seen(A, now=0.0)  # clients get no heartbeat from tick
     s.tick(0.5)
     sent = s.outbox.drain()
     assert {(side, peer) for side, peer, cmd, _ in sent if cmd == p.HEARTBEAT} == {
@@ -449,9 +445,7 @@ def test_worker_error_is_forwarded_with_the_job_id() -> None:
     ready(s, W1, 1)
     s.submit(A, jobs("a", 2), now=0.0)
     (assignment,) = assigned(s.outbox.drain(), W1)
-    s.worker_error(
-        W1, [p.ErrorItem(assignment.ticket, "invalid_request", "prompt too long")], now=1.0
-    )
+    s.worker_error(W1, [p.ErrorItem(assignment.ticket, "invalid_request", "prompt too long")], now=1.0)
     sent = s.outbox.drain()
     (err,) = body(sent, CLIENT, A, p.ERROR)
     assert (err.key, err.code, err.message) == ("a0", "invalid_request", "prompt too long")

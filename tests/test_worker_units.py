@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
-from zmq_rollout.workers import main as worker_main
-from zmq_rollout.workers.engine import engine_args, sampled_logprobs, vllm_sampling
 
 from zmq_rollout import protocol as p
 from zmq_rollout.cli import app
 from zmq_rollout.config import WorkerConfig
+from zmq_rollout.workers import main as worker_main
+from zmq_rollout.workers.engine import engine_args, sampled_logprobs, vllm_sampling
 
 
 @pytest.mark.parametrize(

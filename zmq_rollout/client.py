@@ -71,10 +71,15 @@ def make_job(
     kwargs: dict[str, Any] = {}
     if isinstance(prompt, str):
         kwargs["prompt"] = prompt
+    elif isinstance(prompt, (bytes, bytearray)):
+        raise InvalidRequestError("a prompt is a str, not bytes: decode it first", job_id=job_id)
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
         kwargs["prompt_token_ids"] = list(prompt)
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, (dict, p.ChatMessage)) for m in prompt):
-        kwargs["messages"] = [m if isinstance(m, p.ChatMessage) else p.ChatMessage(**m) for m in prompt]  # type: ignore[arg-type]
+        try:
+            kwargs["messages"] = [m if isinstance(m, p.ChatMessage) else p.ChatMessage(**m) for m in prompt]  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise InvalidRequestError(f"a chat message has a role and a content: {exc}", job_id=job_id) from None
     else:
         raise InvalidRequestError(
             "a prompt is a string, a non-empty list of token ids, or a list of chat messages; "
@@ -209,14 +214,14 @@ class AsyncRolloutClient:
         try:
             return await asyncio.wait_for(asyncio.gather(*futures), limit)
         except asyncio.TimeoutError:
-            left = [j.job_id for j, f in zip(jobs, futures, strict=False) if not f.done()]
+            left = [j.job_id for j in jobs if j.job_id in self._pending]
             await self.cancel(left)
             raise RolloutTimeoutError(
                 f"{len(left)} of {len(jobs)} jobs had no result after {limit} s; they were cancelled "
                 "(raise ClientConfig.timeout or pass timeout=)"
             ) from None
         except BaseException:
-            await self.cancel([j.job_id for j, f in zip(jobs, futures, strict=False) if not f.done()])
+            await self.cancel([j.job_id for j in jobs if j.job_id in self._pending])
             raise
 
     async def stream(
@@ -339,6 +344,13 @@ class RolloutClient:
     async def _make(address: str | None, config: ClientConfig | None, overrides: dict[str, Any]) -> AsyncRolloutClient:
         return await AsyncRolloutClient(address, config, **overrides).connect()
 
+    async def _shutdown(self) -> None:
+        """Close the client, then let every call still running on the loop settle."""
+        await self._async.close()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if others:
+            await asyncio.wait(others, timeout=5)
+
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
@@ -378,7 +390,7 @@ class RolloutClient:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._call(self._async.close())
+            self._call(self._shutdown())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
             self._loop.close()

@@ -89,7 +89,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _finite(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    _require(isinstance(value, (int, float)) and math.isfinite(value), f"{name} must be a finite number")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    _require(ok, f"{name} must be a finite number")
     low_ok = value > lo if lo_open else value >= lo
     _require(low_ok and value <= hi, f"{name}={value} is outside {'(' if lo_open else '['}{lo}, {hi}]")
 
