@@ -1,56 +1,48 @@
-"""Messages the scheduler wants sent, coalesced per destination and command.
+"""Messages the scheduler wants sent, coalesced per destination, in order.
 
-Items for the same peer and command within one pass of the broker loop go out as one
-message (a list body), which is what makes the broker's batching free: a worker that
-finishes 64 jobs in one read gets its next 64 jobs in one JOBS message.
+Consecutive items for the same peer and command go out as one message (a list body), which
+is what makes the broker's batching free: a worker that finishes 64 jobs in one read gets
+its next 64 jobs in one JOBS message. Order per peer is kept exactly: a job's PARTIAL never
+overtakes... its FINAL, and a JOBS never follows the CANCEL of its ticket.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from zmq_rollout import protocol as p
+from zmq_rollout.batching import append
 
 CLIENT = 0
 WORKER = 1
 
-# Commands whose body is a single object rather than a list of items.
-_SINGLE = frozenset({p.HEARTBEAT, p.DISCONNECT, p.STATUS_REPLY, p.CONTROL})
-
 
 class Outbox:
     def __init__(self) -> None:
-        self._pending: dict[tuple[int, bytes, bytes], Any] = {}
+        self._peers: dict[tuple[int, bytes], list[list[Any]]] = {}
 
-    def _put(self, side: int, identity: bytes, command: bytes, item: Any) -> None:
-        key = (side, identity, command)
-        if command in _SINGLE:
-            self._pending[key] = item
-            return
-        items = self._pending.get(key)
-        if items is None:
-            self._pending[key] = [item]
-        else:
-            items.append(item)
+    def _segments(self, side: int, identity: bytes) -> list[list[Any]]:
+        segments = self._peers.get((side, identity))
+        if segments is None:
+            segments = self._peers[(side, identity)] = []
+        return segments
 
     def to_client(self, identity: bytes, command: bytes, item: Any) -> None:
-        self._put(CLIENT, identity, command, item)
+        append(self._segments(CLIENT, identity), command, item)
 
     def to_client_many(self, identity: bytes, command: bytes, items: list[Any]) -> None:
-        key = (CLIENT, identity, command)
-        existing = self._pending.get(key)
-        if existing is None:
-            self._pending[key] = list(items)
+        segments = self._segments(CLIENT, identity)
+        if segments and segments[-1][0] == command:
+            segments[-1][1].extend(items)
         else:
-            existing.extend(items)
+            segments.append([command, list(items)])
 
     def to_worker(self, identity: bytes, command: bytes, item: Any) -> None:
-        self._put(WORKER, identity, command, item)
+        append(self._segments(WORKER, identity), command, item)
 
     def drain(self) -> list[tuple[int, bytes, bytes, Any]]:
-        """Everything pending as ``(side, identity, command, body)``, in insertion order."""
-        pending, self._pending = self._pending, {}
-        return [(side, ident, cmd, body) for (side, ident, cmd), body in pending.items()]
+        """Everything pending as ``(side, identity, command, body)``; in order for each peer."""
+        peers, self._peers = self._peers, {}
+        return [(side, ident, cmd, body) for (side, ident), segments in peers.items() for cmd, body in segments]
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._peers)

@@ -93,7 +93,7 @@ class Broker:
         if self.config.metrics_port is not None:
             from .metrics import serve_metrics
 
-            self._metrics_server = serve_metrics(self.scheduler, self.config.metrics_port)
+            self._metrics_server = serve_metrics(self.scheduler, self.config.metrics_port, self.config.metrics_host)
         log.info("broker up: frontend %s, backend %s", self.frontend_address, self.backend_address)
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
@@ -203,6 +203,7 @@ class Broker:
             n = len(jobs) + len(errors)
             self._reject(identity, "oversize", f"{n} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}")
             return
+        self.scheduler.stats.rejected_invalid += len(errors)
         for err in errors:
             self._reject(identity, "invalid_job", err.message, err.key, "invalid_request")  # type: ignore[arg-type]
         if jobs:

@@ -512,3 +512,41 @@ def test_status_names_unprintable_identities_in_hex() -> None:
     s = make()
     s.client_seen(b"\x00\x8f\x01", now=0.0)
     assert [c.name for c in s.status(0.0).clients] == ["008f01"]
+
+
+def test_outbox_keeps_order_per_peer_and_merges_runs() -> None:
+    from zmq_rollout.broker.outbox import Outbox
+
+    box = Outbox()
+    box.to_client(b"c", p.FINAL, "A-final")
+    box.to_client(b"c", p.PARTIAL, "B-delta")
+    box.to_client(b"c", p.FINAL, "B-final")
+    box.to_client(b"c", p.FINAL, "C-final")
+    box.to_worker(b"w", p.JOBS, "job-7")
+    box.to_worker(b"w", p.CANCEL, 7)
+    box.to_worker(b"w", p.HEARTBEAT, None)
+    box.to_worker(b"w", p.HEARTBEAT, None)
+    sent = [(side, ident, cmd, body) for side, ident, cmd, body in box.drain()]
+    assert [(cmd, body) for _, ident, cmd, body in sent if ident == b"c"] == [
+        (p.FINAL, ["A-final"]),
+        (p.PARTIAL, ["B-delta"]),
+        (p.FINAL, ["B-final", "C-final"]),
+    ]
+    assert [(cmd, body) for _, ident, cmd, body in sent if ident == b"w"] == [
+        (p.JOBS, ["job-7"]),
+        (p.CANCEL, [7]),
+        (p.HEARTBEAT, None),
+    ]
+    assert len(box) == 0
+
+
+def test_partial_then_final_of_one_job_reach_the_client_in_order() -> None:
+    s = Scheduler(BrokerConfig())
+    s.worker_ready(W1, p.WorkerInfo("w1", "m", 4), 0.0)
+    s.submit(A, [p.JobSpec("j1", prompt="x", stream=True), p.JobSpec("j2", prompt="y", stream=True)], 0.0)
+    tickets = {a.job.job_id: a.ticket for _, ident, cmd, body in s.outbox.drain() if cmd == p.JOBS for a in body}
+    s.worker_final(W1, [p.Result(tickets["j1"], [1], [], 0, "w1")], 1.0)
+    s.worker_partial(W1, [p.Delta(tickets["j2"], 0, [5], [-0.1])], 1.0)
+    s.worker_final(W1, [p.Result(tickets["j2"], [1], [], 0, "w1")], 1.0)
+    to_a = [(cmd, [x.key for x in body]) for _, ident, cmd, body in s.outbox.drain() if ident == A]
+    assert to_a == [(p.FINAL, ["j1"]), (p.PARTIAL, ["j2"]), (p.FINAL, ["j2"])]

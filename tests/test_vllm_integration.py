@@ -218,6 +218,15 @@ def _bad_sampling() -> SamplingParams:
     return s
 
 
+def test_seeded_long_prompts_in_one_batch_keep_the_engine_alive(cluster: LocalCluster, client: RolloutClient) -> None:
+    """vLLM's CPU runner dies if a seeded prompt's prefill is split into chunks; the worker
+    turns chunked prefill off there. Three 900-token seeded prompts at once would be split."""
+    prompts = [[(i * 31 + j) % 250 + 3 for j in range(900)] for i in range(3)]
+    rollouts = client.generate(prompts, SamplingParams(max_tokens=8, seed=11, ignore_eos=True))
+    assert [len(r.token_ids) for r in rollouts] == [8, 8, 8]
+    assert sorted(cluster.registered()) == ["worker-0", "worker-1"]
+
+
 def test_engine_crash_exits_worker_nonzero(cluster: LocalCluster) -> None:
     name = "worker-1"
     proc = cluster.workers[name]

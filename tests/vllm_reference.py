@@ -1,4 +1,7 @@
-"""Direct vLLM, no broker and none of our worker code: the integration tests' reference.
+"""Direct vLLM, no broker and no worker: the integration tests' reference.
+
+The engine is built with the worker's engine settings (``engine_args``, configuration only),
+so the only difference left is the service between the client and the engine.
 
 Run as a script: reads ``{"model": ..., "jobs": [[prompt_token_ids, sampling_dict], ...]}``
 as JSON on stdin and prints one line ``REFERENCE {"outputs": [[token_ids per sample], ...]}``.
@@ -13,14 +16,14 @@ import sys
 
 async def main() -> None:
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from zmq_rollout.config import WorkerConfig
     from zmq_rollout.local import LOCAL_WORKER_DEFAULTS
+    from zmq_rollout.workers.engine import engine_args
 
     request = json.load(sys.stdin)
-    args = {k: v for k, v in LOCAL_WORKER_DEFAULTS.items() if v is not None}
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=request["model"], enforce_eager=True, **args))
+    llm = AsyncLLM.from_engine_args(engine_args(WorkerConfig(model=request["model"], **LOCAL_WORKER_DEFAULTS)))
     try:
 
         async def one(i: int, ids: list[int], sampling: dict) -> list[list[int]]:

@@ -43,10 +43,22 @@ def engine_args(config: WorkerConfig) -> Any:
     }
     if config.attention_backend:
         wanted["attention_backend"] = config.attention_backend
+    if _on_cpu():
+        # vLLM's CPU runner crashes the whole engine when a *seeded* request's prefill is
+        # split into chunks ("CPU Generator does not use offset"). No chunking, and a token
+        # budget that holds any whole prompt, keeps seeded sampling safe there.
+        wanted["enable_chunked_prefill"] = False
+        wanted["max_num_batched_tokens"] = max(config.max_model_len, 2048)
     dropped = sorted(k for k in wanted if k not in fields)
     if dropped:
         log.info("this vLLM has no engine argument(s) %s; left out", ", ".join(dropped))
     return AsyncEngineArgs(**{k: v for k, v in wanted.items() if k in fields})
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def vllm_sampling(s: p.SamplingParams, *, stream: bool) -> Any:
@@ -145,6 +157,13 @@ class Engine:
                     yield p.Delta(0, comp.index, tokens, chosen)
         ordered = [samples[i] for i in sorted(samples)]
         yield p.Result(0, ids, ordered, self.weight_version, "")
+
+    async def warm_up(self) -> None:
+        """One short seeded job with logprobs: the first such request compiles kernels (seconds
+        on CPU), which must not land on a real job or look like a slow worker."""
+        job = p.JobSpec("warm-up", p.SamplingParams(max_tokens=2, seed=0, logprobs=1), prompt_token_ids=[0, 1])
+        async for _ in self.run("zmq-rollout-warm-up", job):
+            pass
 
     async def abort(self, request_ids: list[str]) -> None:
         if request_ids:

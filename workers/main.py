@@ -42,6 +42,7 @@ async def _serve(config: WorkerConfig) -> int:
 
     started = time.monotonic()
     engine = Engine(config)
+    await engine.warm_up()
     log.info(
         "engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
         time.monotonic() - started,

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.batching import append
 from zmq_rollout.config import WorkerConfig
 from zmq_rollout.errors import ProtocolError
 
@@ -43,7 +44,7 @@ class Worker:
         self._sock: zmq.asyncio.Socket | None = None
         self._decoder = codec.Decoder(codec.TO_WORKER)
         self._tasks: dict[int, asyncio.Task[None]] = {}  # ticket -> job task
-        self._outgoing: dict[bytes, list[Any]] = {}
+        self._outgoing: list[list[Any]] = []  # [command, items] in send order
         self._flush_scheduled = False
         self._last_heard = 0.0
         self._exit: asyncio.Future[int] | None = None
@@ -81,15 +82,15 @@ class Worker:
 
     def _queue(self, command: bytes, item: Any) -> None:
         """Send ``item`` soon, in one message with the others queued in this loop pass."""
-        self._outgoing.setdefault(command, []).append(item)
+        append(self._outgoing, command, item)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        pending, self._outgoing = self._outgoing, {}
-        for command, items in pending.items():
+        pending, self._outgoing = self._outgoing, []
+        for command, items in pending:
             self._send_now(command, items)
 
     # -- main ------------------------------------------------------------------------------

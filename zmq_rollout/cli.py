@@ -29,13 +29,20 @@ def broker(
     frontend: str = typer.Option(BrokerConfig.frontend, help="Address clients connect to."),
     backend: str = typer.Option(BrokerConfig.backend, help="Address workers connect to."),
     metrics_port: Optional[int] = typer.Option(None, help="Port of the Prometheus /metrics endpoint."),  # noqa: UP045
+    metrics_host: str = typer.Option(BrokerConfig.metrics_host, help="Interface of the /metrics endpoint."),
     heartbeat_interval: float = typer.Option(BrokerConfig.heartbeat_interval, help="Seconds between heartbeats."),
     worker_liveness: int = typer.Option(
         BrokerConfig.worker_liveness, help="Missed heartbeats before a worker is purged."
     ),
+    client_expiry: float = typer.Option(
+        BrokerConfig.client_expiry, help="Seconds of client silence before its jobs drop."
+    ),
     max_queue_per_client: int = typer.Option(
         BrokerConfig.max_queue_per_client, help="Queued jobs per client before BUSY."
     ),
+    max_queue_total: int = typer.Option(BrokerConfig.max_queue_total, help="Queued jobs in all before BUSY."),
+    max_attempts: int = typer.Option(BrokerConfig.max_attempts, help="Workers a job may lose before it fails."),
+    max_message_bytes: int = typer.Option(BrokerConfig.max_message_bytes, help="Largest client message accepted."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the broker."""
@@ -44,16 +51,20 @@ def broker(
     from zmq_rollout.broker.server import Broker
 
     _logging(verbose)
-    b = Broker(
-        BrokerConfig(
-            frontend=frontend,
-            backend=backend,
-            metrics_port=metrics_port,
-            heartbeat_interval=heartbeat_interval,
-            worker_liveness=worker_liveness,
-            max_queue_per_client=max_queue_per_client,
-        )
+    config = BrokerConfig(
+        frontend=frontend,
+        backend=backend,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        heartbeat_interval=heartbeat_interval,
+        worker_liveness=worker_liveness,
+        client_expiry=client_expiry,
+        max_queue_per_client=max_queue_per_client,
+        max_queue_total=max_queue_total,
+        max_attempts=max_attempts,
+        max_message_bytes=max_message_bytes,
     )
+    b = Broker(config)
     signal.signal(signal.SIGTERM, lambda *_: b.stop())
     with contextlib.suppress(KeyboardInterrupt):
         b.run()

@@ -30,6 +30,8 @@ class BrokerConfig:
     """Larger messages are refused with an error (weight data does not pass through the broker)."""
     metrics_port: int | None = None
     """Port of the Prometheus ``/metrics`` endpoint (None: no endpoint)."""
+    metrics_host: str = "0.0.0.0"
+    """Interface of the ``/metrics`` endpoint (127.0.0.1 keeps it local)."""
 
     @property
     def worker_expiry(self) -> float:
