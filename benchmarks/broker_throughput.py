@@ -1,8 +1,8 @@
 """Broker throughput and latency, beside zmq.proxy and an HTTP server, on one machine.
 
-    python benchmarks/broker_throughput.py            # full run, about 4 minutes
+    python benchmarks/broker_throughput.py            # full run, about 3 minutes
     python benchmarks/broker_throughput.py --quick    # CI smoke, under a minute
-    python benchmarks/broker_throughput.py --profile  # one batched case, broker under cProfile
+    python benchmarks/broker_throughput.py --profile  # one batched case, broker profiled
 
 Every party is its own spawned process: the broker; the workers (``EchoWorkerDouble``, the
 *test double* that answers each job at once, as threads spread over ``--worker-procs``
@@ -17,6 +17,7 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling role modules
 
+import profiling
 import roles
 from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, percentile_us, report
 
@@ -87,8 +89,11 @@ class Group:
         return got
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds used so far, summed per role (all threads, from /proc)."""
-        out: dict[str, float] = {}
+        """CPU seconds used so far, summed per role (all threads, from /proc), and by the
+        whole machine (``machine``), to show load from outside the benchmark."""
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        out = {"machine": (sum(ticks[:8]) - ticks[3] - ticks[4]) / CLK_TCK}  # all but idle, iowait
         for role, _, proc in self.procs:
             try:
                 with open(f"/proc/{proc.pid}/stat") as f:
@@ -97,6 +102,9 @@ class Group:
                 continue
             out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
         return out
+
+    def pid(self, tag: str) -> int:
+        return next(int(proc.pid) for _, t, proc in self.procs if t == tag)
 
     def start_window(self, warmup: float, duration: float) -> tuple[float, float]:
         t_begin = time.monotonic() + warmup
@@ -123,7 +131,7 @@ def wait_registered(address: str, num_workers: int, timeout: float = 30.0) -> No
     from zmq_rollout import codec
     from zmq_rollout import protocol as p
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     decoder = codec.Decoder(codec.TO_CLIENT)
@@ -156,10 +164,11 @@ def start_servers(
 
         g.start("server", "http-server", http_server)
         return g.expect("ready", ["http-server"])["http-server"], []
+    extra: tuple[Any, ...] = ()
     if setup.kind == "proxy":
         g.start("server", "proxy", roles.proxy)
         front, back = g.expect("ready", ["proxy"])["proxy"]
-        target, extra = roles.raw_echoes, ()
+        target = roles.raw_echoes
     else:
         g.start("server", "broker", roles.broker, profile)
         front, back = g.expect("ready", ["broker"])["broker"]
@@ -171,12 +180,12 @@ def start_servers(
     return front, tags
 
 
-def run_throughput(
-    setup: Setup, args: argparse.Namespace, profile: str | None = None
-) -> dict[str, Any]:
-    g = Group()
+def run_throughput(setup: Setup, args: argparse.Namespace, profile: tuple[str, str] | None = None) -> dict[str, Any]:
+    """One case. ``profile``: (``py-spy`` or ``cprofile``, output path) profiles the broker."""
+    g, spy = Group(), None
     try:
-        address, worker_tags = start_servers(g, setup, args, profile)
+        cprofile_out = profile[1] if profile and profile[0] == "cprofile" else None
+        address, worker_tags = start_servers(g, setup, args, cprofile_out)
         if setup.kind == "http":
             from http_baseline import http_client
 
@@ -188,9 +197,7 @@ def run_throughput(
                 "proxy": roles.raw_client,
             }[setup.kind]
         tags = [
-            g.start(
-                "clients", f"client{i}", target, address, setup.batch, setup.window, g.go, g.clock
-            )
+            g.start("clients", f"client{i}", target, address, setup.batch, setup.window, g.go, g.clock)
             for i in range(setup.clients)
         ]
         g.expect("ready", tags + worker_tags)
@@ -199,13 +206,21 @@ def run_throughput(
         t_begin, t_end = g.start_window(args.warmup, args.duration)
         time.sleep(max(0.0, t_begin - time.monotonic()))
         cpu0 = g.cpu()
+        if profile and profile[0] == "py-spy":
+            spy = profiling.start_py_spy(g.pid("broker"), args.duration, profile[1])
         time.sleep(max(0.0, t_end - time.monotonic()))
         cpu1 = g.cpu()
         done = g.expect("done", tags, timeout=roles.DRAIN_SECONDS + 30)
+        if spy is not None and spy.wait(timeout=30) != 0:
+            raise RuntimeError(f"py-spy failed: {spy.stderr.read().decode() if spy.stderr else ''}")
     finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
+            spy.wait()
         g.close()
     jobs = sum(d["jobs"] for d in done.values())
     cpu = {role: round((cpu1[role] - cpu0.get(role, 0.0)) / args.duration, 2) for role in cpu1}
+    cpu["other"] = round(max(0.0, cpu.pop("machine") - sum(cpu.values())), 2)
     server_us = (cpu1["server"] - cpu0.get("server", 0.0)) / jobs * 1e6 if jobs else float("nan")
     return {
         "case": setup.name,
@@ -254,61 +269,59 @@ def run_latency(path: str, args: argparse.Namespace) -> list[int]:
         )
         g.expect("ready", ["latency"])
         g.go.set()
-        return g.expect("done", ["latency"], timeout=120)["latency"]  # type: ignore[no-any-return]
+        samples: list[int] = g.expect("done", ["latency"], timeout=120)["latency"]
+        return samples
     finally:
         g.close()
 
 
-def print_profile(path: str, top: int) -> None:
-    import pstats
-
-    print(
-        f"\nbroker cProfile, top {top} by own time (full profile: {path}; `python -m pstats {path}`):"
-    )
-    pstats.Stats(path).strip_dirs().sort_stats("tottime").print_stats(top)
+def profile(args: argparse.Namespace) -> None:
+    tool = args.profiler
+    if tool == "auto":
+        tool = "py-spy" if profiling.find_py_spy() else "cprofile"
+    path = os.path.abspath(args.profile_out + (".txt" if tool == "py-spy" else ".prof"))
+    clients, workers = (int(x) for x in args.profile_shape.split("x"))
+    batch, window = (BATCH, BATCH_WINDOW) if args.profile == "batched" else (1, SINGLE_WINDOW)
+    row = run_throughput(Setup("broker", clients, workers, batch, window), args, (tool, path))
+    print(f"{row['case']}, profiled by {tool}: {row['jobs_per_s']:,} jobs/s, CPU cores "
+          f"{row['cpu_cores']}, broker {row['server_cpu_us_per_job']} us CPU per job")  # fmt: skip
+    if tool == "py-spy":
+        profiling.print_py_spy(path, 25)
+    else:
+        profiling.print_cprofile(path, 30)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--quick", action="store_true", help="short windows for a CI smoke run (under a minute)"
-    )
-    ap.add_argument("--duration", type=float, help="seconds measured per case (default 4, quick 1)")
-    ap.add_argument(
-        "--warmup", type=float, help="seconds of load before measuring (default 1, quick 0.3)"
-    )
-    ap.add_argument(
-        "--latency-count", type=int, help="round trips per latency path (default 5000, quick 1000)"
-    )
-    ap.add_argument(
-        "--credits", type=int, default=64, help="credits per echo double (vLLM max_num_seqs)"
-    )
-    ap.add_argument(
-        "--worker-procs", type=int, default=2, help="processes the worker threads are spread over"
-    )
+    ap.add_argument("--quick", action="store_true", help="short windows for a CI smoke run (under a minute)")
+    ap.add_argument("--duration", type=float, help="seconds measured per case (default 5, quick 1)")
+    ap.add_argument("--warmup", type=float, help="seconds of load before measuring (default 1, quick 0.25)")
+    ap.add_argument("--latency-count", type=int, help="round trips per latency path (default 5000, quick 500)")
+    ap.add_argument("--credits", type=int, default=64, help="credits per echo double (vLLM max_num_seqs)")
+    ap.add_argument("--worker-procs", type=int, default=2, help="processes the worker threads are spread over")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
     ap.add_argument(
         "--profile",
         nargs="?",
         const="batched",
         choices=["batched", "unbatched"],
-        help="run one 8c x 8w case only, with the broker under cProfile",
+        help="run only one broker case (8c x 8w by default) and profile the broker process",
     )
+    ap.add_argument("--profile-shape", default="8x8", help="CLIENTSxWORKERS of the profiled case")
     ap.add_argument(
-        "--profile-out", default="broker.prof", help="where --profile writes the cProfile data"
+        "--profiler",
+        choices=["auto", "py-spy", "cprofile"],
+        default="auto",
+        help="auto: py-spy when it is on PATH, else cProfile",
     )
+    ap.add_argument("--profile-out", default="broker-profile", help="profile data path (no suffix)")
     args = ap.parse_args()
-    args.duration = args.duration or (1.0 if args.quick else 4.0)
-    args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 1.0)
-    args.latency_count = args.latency_count or (1000 if args.quick else 5000)
+    args.duration = args.duration or (1.0 if args.quick else 5.0)
+    args.warmup = args.warmup if args.warmup is not None else (0.25 if args.quick else 1.0)
+    args.latency_count = args.latency_count or (500 if args.quick else 5000)
 
     if args.profile:
-        batch, window = (BATCH, BATCH_WINDOW) if args.profile == "batched" else (1, SINGLE_WINDOW)
-        row = run_throughput(
-            Setup("broker", 8, 8, batch, window), args, os.path.abspath(args.profile_out)
-        )
-        print(f"{row['case']} (under cProfile): {row['jobs_per_s']} jobs/s, cpu {row['cpu_cores']}")
-        print_profile(os.path.abspath(args.profile_out), 30)
+        profile(args)
         return
     started = time.monotonic()
     latency: dict[str, list[int]] = {}
@@ -322,11 +335,7 @@ def main() -> None:
         for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
     ]
     setups.append(Setup("library", 1, 8, BATCH, BATCH_WINDOW))
-    setups += [
-        Setup("proxy", c, c, b, win)
-        for c in (1, 8)
-        for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
-    ]
+    setups += [Setup("proxy", c, c, b, win) for c in (1, 8) for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))]
     setups += [Setup("http", 1, 0, 1, 64), Setup("http", 1, 0, BATCH, 64)]
     rows = []
     for setup in setups:
@@ -337,7 +346,12 @@ def main() -> None:
     report(rows, latency, args, time.monotonic() - started)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # so that a SIGTERM also runs every ``Group.close``
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         main()
     except KeyboardInterrupt:

@@ -10,24 +10,24 @@ result shape as the echo double's.
 import asyncio
 import socket
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 from roles import PROMPT, role
 
 
 class Sampling(BaseModel):
-    n: int = Field(1, ge=1, le=256)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: Annotated[int, Field(ge=1, le=256)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: int = -1
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: Annotated[int, Field(ge=1)] = 16
     seed: int | None = None
 
 
 class Request(BaseModel):
-    job_id: str = Field(min_length=1, max_length=128)
-    prompt: str = Field(min_length=1)
+    job_id: Annotated[str, Field(min_length=1, max_length=128)]
+    prompt: Annotated[str, Field(min_length=1)]
     sampling: Sampling = Sampling()
 
 
@@ -57,8 +57,7 @@ def make_app() -> Any:
         for r in requests:
             ids = [len(r.prompt)]
             samples = [
-                Sample(index=i, token_ids=ids, logprobs=[0.0], finish_reason="length")
-                for i in range(r.sampling.n)
+                Sample(index=i, token_ids=ids, logprobs=[0.0], finish_reason="length") for i in range(r.sampling.n)
             ]
             out.append(
                 Result(
@@ -91,9 +90,7 @@ def http_server(report: Any, tag: str) -> None:
 
 
 @role
-def http_client(
-    report: Any, tag: str, url: str, batch: int, inflight: int, go: Any, clock: Any
-) -> None:
+def http_client(report: Any, tag: str, url: str, batch: int, inflight: int, go: Any, clock: Any) -> None:
     """``inflight`` concurrent POST loops, each POST carrying ``batch`` requests."""
     import aiohttp
 
@@ -133,9 +130,7 @@ def http_client(
                     seq += batch
                     async with session.post(f"{url}/generate", json=body) as resp:
                         if resp.status != 200:
-                            raise RuntimeError(
-                                f"POST /generate: HTTP {resp.status}: {await resp.text()}"
-                            )
+                            raise RuntimeError(f"POST /generate: HTTP {resp.status}: {await resp.text()}")
                         results = await resp.json()
                     if t_begin <= time.monotonic() < t_end:
                         done[0] += len(results)

@@ -31,9 +31,7 @@ def percentile_us(samples: list[int], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000
 
 
-def _find(
-    rows: list[dict[str, Any]], kind: str, clients: int, workers: int, batched: bool
-) -> dict[str, Any] | None:
+def _find(rows: list[dict[str, Any]], kind: str, clients: int, workers: int, batched: bool) -> dict[str, Any] | None:
     for row in rows:
         if (row["kind"], row["clients"], row["workers"], row["jobs_per_message"] > 1) == (
             kind,
@@ -52,16 +50,12 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?"
-            )
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     except OSError:
         return platform.processor() or "?"
 
 
-def report(
-    rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any, elapsed: float
-) -> None:
+def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any, elapsed: float) -> None:
     print()
     print(
         f"machine: {os.cpu_count()} cores ({_cpu_model()}), Python {platform.python_version()}; "
@@ -81,19 +75,28 @@ def report(
     )
     if rows:
         print("\nthroughput (round trips: job submitted -> its result back at the client)")
-        head = f"{'case':<40} {'jobs/s':>10}  {'server':>6} {'workers':>7} {'clients':>7}  {'server us/job':>13}  errors"
+        head = (f"{'case':<40} {'jobs/s':>10}  {'server':>6} {'workers':>7} {'clients':>7} {'other':>6}"
+                f"  {'server us/job':>13}  errors")  # fmt: skip
         print(head)
         print("-" * len(head))
         for r in rows:
             cpu = r["cpu_cores"]
+            roles = " ".join(
+                f"{cpu.get(role, 0):>{w}.2f}" for role, w in (("server", 6), ("workers", 7), ("clients", 7))
+            )
             print(
-                f"{r['case']:<40} {r['jobs_per_s']:>10,}  {cpu.get('server', 0):>6.2f} {cpu.get('workers', 0):>7.2f} "
-                f"{cpu.get('clients', 0):>7.2f}  {r['server_cpu_us_per_job']:>13.2f}  {r['errors']}"
+                f"{r['case']:<40} {r['jobs_per_s']:>10,}  {roles} {cpu['other']:>6.2f}  "
+                f"{r['server_cpu_us_per_job']:>13.2f}  {r['errors']}"
             )
         print(
             "server/workers/clients: CPU cores each role used while measured (1.00 = one core busy); "
-            "server = the broker, zmq.proxy or uvicorn. server us/job: its CPU time per completed job."
+            "server = the broker, zmq.proxy or uvicorn.\nother: CPU used by processes outside this "
+            "benchmark at the same time (another load on the machine makes every figure lower).\n"
+            "server us/job: the server's CPU time per completed job (moves less with other load than jobs/s)."
         )
+        busy = [r["case"] for r in rows if r["cpu_cores"]["other"] > 0.2]
+        if busy:
+            print(f"WARNING: other load above 0.2 cores during {len(busy)} cases: {', '.join(busy)}")
 
     lat: dict[str, dict[str, float]] = {}
     if latency:
@@ -116,9 +119,7 @@ def report(
     if added:
         print(f"broker-added latency: p50 {added['p50']} us, p99 {added['p99']} us")
     if proxy_added:
-        print(
-            f"zmq.proxy-added latency (reference): p50 {proxy_added['p50']} us, p99 {proxy_added['p99']} us"
-        )
+        print(f"zmq.proxy-added latency (reference): p50 {proxy_added['p50']} us, p99 {proxy_added['p99']} us")
 
     ratios: dict[str, float | None] = {}
     for n in (1, 8):
@@ -131,9 +132,7 @@ def report(
     http_batched = _find(rows, "http", 1, 0, True)
     broker_batched = [r for r in rows if r["kind"] == "broker" and r["jobs_per_message"] > 1]
     best_batched = max(broker_batched, key=lambda r: r["jobs_per_s"], default=None)
-    ratios["broker_batched_1c1w/http_batched"] = _ratio(
-        _find(rows, "broker", 1, 1, True), http_batched
-    )
+    ratios["broker_batched_1c1w/http_batched"] = _ratio(_find(rows, "broker", 1, 1, True), http_batched)
     ratios["broker_batched_best/http_batched"] = _ratio(best_batched, http_batched)
     ratios["broker_unbatched_1c1w/http_unbatched"] = _ratio(
         _find(rows, "broker", 1, 1, False), _find(rows, "http", 1, 0, False)
@@ -150,20 +149,17 @@ def report(
             if any(v is not None for v in unbatched)
             else None
         ),
-        "batched_ge_250k_jobs_per_s": best_batched["jobs_per_s"] >= GOAL_BATCHED_JOBS_PER_S
-        if best_batched
-        else None,
+        "batched_ge_250k_jobs_per_s": best_batched["jobs_per_s"] >= GOAL_BATCHED_JOBS_PER_S if best_batched else None,
         "broker_added_p50_lt_100us": added["p50"] < GOAL_ADDED_P50_US if added else None,
     }
     verdict = {True: "MET", False: "NOT MET", None: "not measured"}
     print("\ngoals")
+    shares = ", ".join("n/a" if v is None else f"{v:.0%}" for v in unbatched)
     print(
-        f"  broker unbatched >= {GOAL_UNBATCHED_VS_PROXY:.0%} of zmq.proxy unbatched (same shape, each of 1c x 1w and 8c x 8w): "
-        f"{verdict[goals['unbatched_ge_50pct_of_proxy']]} ({', '.join('n/a' if v is None else f'{v:.0%}' for v in unbatched)})"
+        f"  broker unbatched >= {GOAL_UNBATCHED_VS_PROXY:.0%} of zmq.proxy unbatched (1c x 1w and 8c x 8w): "
+        f"{verdict[goals['unbatched_ge_50pct_of_proxy']]} ({shares})"
     )
-    best = (
-        f"{best_batched['jobs_per_s']:,} jobs/s, {best_batched['case']}" if best_batched else "n/a"
-    )
+    best = f"{best_batched['jobs_per_s']:,} jobs/s, {best_batched['case']}" if best_batched else "n/a"
     print(
         f"  broker batched >= {GOAL_BATCHED_JOBS_PER_S:,} jobs/s (best of the matrix): "
         f"{verdict[goals['batched_ge_250k_jobs_per_s']]} ({best})"

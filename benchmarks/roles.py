@@ -12,8 +12,10 @@ count only what completes inside the window, then drain and leave.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+import os
 import signal
 import threading
 import time
@@ -26,23 +28,31 @@ import zmq
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 
-PROMPT = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(
-    100
-)
+PROMPT = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(100)
 SAMPLING = p.SamplingParams(max_tokens=16)
 RAW_JOB = PROMPT.encode()  # the zmq.proxy baseline's unit of work: 100 opaque bytes
 DRAIN_SECONDS = 3.0
 
 
+def _die_with_parent() -> None:
+    """Have the kernel send SIGTERM to this process when its parent dies (Linux), so that a
+    killed benchmark leaves no broker or worker behind."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent is already gone
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def role(fn: Callable[..., None]) -> Callable[..., None]:
-    """Wrap a role: ignore SIGINT, report any exception to the parent instead of dying mute."""
+    """Wrap a role: ignore SIGINT, die with the parent, report any exception to the parent."""
 
     @functools.wraps(fn)
     def run(report: Any, tag: str, *args: Any) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logging.basicConfig(
-            level=logging.WARNING, format=f"[{tag}] %(levelname)s %(name)s: %(message)s"
-        )
+        _die_with_parent()
+        logging.basicConfig(level=logging.WARNING, format=f"[{tag}] %(levelname)s %(name)s: %(message)s")
         try:
             fn(report, tag, *args)
         except Exception:
@@ -59,7 +69,7 @@ def _stop_event() -> threading.Event:
 
 
 def _socket(kind: int, address: str, *, bind: bool = False, identity: str = "") -> zmq.Socket[Any]:
-    sock = zmq.Context.instance().socket(kind)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if identity:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
@@ -75,7 +85,6 @@ def _socket(kind: int, address: str, *, bind: bool = False, identity: str = "") 
 def broker(report: Any, tag: str, profile_path: str | None) -> None:
     """The product broker, as ``zmq-rollout broker`` runs it (optionally under cProfile)."""
     from zmq_rollout.broker.server import Broker
-
     from zmq_rollout.config import BrokerConfig
 
     b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
@@ -86,7 +95,9 @@ def broker(report: Any, tag: str, profile_path: str | None) -> None:
         return
     import cProfile
 
-    profiler = cProfile.Profile()
+    # CPU time of this thread, not wall time: on a shared machine, time spent descheduled
+    # would otherwise be charged to whatever function was running.
+    profiler = cProfile.Profile(time.thread_time)
     profiler.enable()
     try:
         b.run()
@@ -152,9 +163,7 @@ def echo_doubles(report: Any, tag: str, address: str, num: int, credits: int) ->
     from zmq_rollout.testing import EchoWorkerDouble
 
     stop = _stop_event()
-    workers = [
-        EchoWorkerDouble(address, credits=credits, name=f"{tag}-{i}").start() for i in range(num)
-    ]
+    workers = [EchoWorkerDouble(address, credits=credits, name=f"{tag}-{i}").start() for i in range(num)]
     report.put(("ready", tag, None))
     while not stop.wait(0.25):
         for w in workers:
@@ -228,9 +237,7 @@ def _pump(
 
 
 @role
-def submit_client(
-    report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any
-) -> None:
+def submit_client(report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any) -> None:
     """A raw DEALER speaking the protocol through ``zmq_rollout.codec``: ``window`` SUBMIT
     messages of ``batch`` jobs each in flight."""
     sock = _socket(zmq.DEALER, address, identity=tag)
@@ -253,9 +260,7 @@ def submit_client(
 
 
 @role
-def raw_client(
-    report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any
-) -> None:
+def raw_client(report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any) -> None:
     """The zmq.proxy baseline's client: ``window`` messages of ``batch`` x 100 bytes in flight."""
     sock = _socket(zmq.DEALER, address, identity=tag)
     payload = RAW_JOB * batch
@@ -280,9 +285,7 @@ def raw_client(
 
 
 @role
-def library_client(
-    report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any
-) -> None:
+def library_client(report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any) -> None:
     """The real ``RolloutClient``: ``window`` threads, each calling ``generate`` on ``batch`` prompts."""
     from zmq_rollout import RolloutClient
 
@@ -308,9 +311,7 @@ def library_client(
 
 
 @role
-def latency_client(
-    report: Any, tag: str, address: str, kind: str, count: int, warmup: int, go: Any
-) -> None:
+def latency_client(report: Any, tag: str, address: str, kind: str, count: int, warmup: int, go: Any) -> None:
     """One job in flight at a time; reports every round trip in ns. ``kind``: ``submit``
     (a one-job SUBMIT, waits for its FINAL) or ``raw`` (100 bytes, waits for the echo)."""
     sock = _socket(zmq.DEALER, address, identity=tag)
