@@ -77,9 +77,9 @@ class SchedulerCollector:
         yield depth
         yield running
         workers = list(s.workers.values())
-        states = {"ready": 0, "held": 0}
+        states = {"ready": 0, "syncing": 0, "stale": 0}
         for w in workers:
-            states["ready" if w.accepting else "held"] += 1
+            states[s.worker_state(w)] += 1
         by_state = GaugeMetricFamily("zmq_rollout_workers", "Registered workers by state.", labels=["state"])
         for state, count in states.items():
             by_state.add_metric([state], count)

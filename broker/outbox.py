@@ -40,9 +40,11 @@ class Outbox:
         append(self._segments(WORKER, identity), command, item)
 
     def drain(self) -> list[tuple[int, bytes, bytes, Any]]:
-        """Everything pending as ``(side, identity, command, body)``; in order for each peer."""
+        """Everything pending as ``(side, identity, command, body)``; in order for each peer,
+        workers first (their JOBS start work; a client's ACCEPTED can wait microseconds)."""
         peers, self._peers = self._peers, {}
-        return [(side, ident, cmd, body) for (side, ident), segments in peers.items() for cmd, body in segments]
+        ordered = sorted(peers.items(), key=lambda kv: kv[0][0] != WORKER)
+        return [(side, ident, cmd, body) for (side, ident), segments in ordered for cmd, body in segments]
 
     def __len__(self) -> int:
         return len(self._peers)

@@ -25,6 +25,7 @@ from zmq_rollout.config import BrokerConfig
 
 from .outbox import Outbox
 from .stats import BrokerStats
+from .sync import SyncCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class Scheduler:
         self._waiting: deque[ClientState] = deque()  # clients with a non-empty queue, in turn order
         self._tickets = itertools.count(1)
         self.num_queued = 0
+        self.defer_dispatch = False
+        self._dispatch_pending = False
+        self.fleet_version = 0  # the newest weight version committed by a sync round
+        self.sync = SyncCoordinator(self)
 
     # -- clients ---------------------------------------------------------------------------
     def _client(self, identity: ClientId, now: float) -> ClientState:
@@ -137,7 +142,7 @@ class Scheduler:
         if accepted:
             self.stats.submitted += len(accepted)
             self.outbox.to_client_many(identity, p.ACCEPTED, accepted)
-        self.dispatch(now)
+        self._dispatch_soon(now)
 
     def _enqueue(self, client: ClientState, job: Job, *, front: bool = False) -> None:
         if not client.queue:
@@ -155,7 +160,7 @@ class Scheduler:
             if self._drop_job(client, jid):
                 self.stats.cancelled += 1
                 self.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "cancelled", "cancelled by the client"))
-        self.dispatch(now)
+        self._dispatch_soon(now)
 
     def _drop_job(self, client: ClientState, jid: str) -> bool:
         """Remove a job wherever it is; abort it on its worker. False if unknown."""
@@ -179,6 +184,7 @@ class Scheduler:
         client = self.clients.pop(identity, None)
         if client is None:
             return
+        self.sync.client_gone(identity, now)
         dropped = list(client.queued) + list(client.running)
         for jid in dropped:
             self._drop_job(client, jid)
@@ -187,7 +193,7 @@ class Scheduler:
             self._waiting.remove(client)
         self.stats.dropped_client_gone += len(dropped)
         log.info("client %s gone (%s): dropped %d jobs", client.name, reason, len(dropped))
-        self.dispatch(now)  # its credits are free for the others
+        self._dispatch_soon(now)  # its credits are free for the others
 
     # -- workers ---------------------------------------------------------------------------
     def worker_ready(self, identity: WorkerId, info: p.WorkerInfo, now: float) -> None:
@@ -196,6 +202,8 @@ class Scheduler:
             worker = self.workers[identity] = WorkerState(
                 identity, info, now, info.credits, weight_version=info.weight_version
             )
+            # A late joiner gets no jobs until a round brings it to the fleet's version.
+            worker.accepting = info.weight_version >= self.fleet_version
             log.info(
                 "worker %s joined: model=%s credits=%d version=%d",
                 info.name,
@@ -206,7 +214,7 @@ class Scheduler:
         else:
             worker.info, worker.capacity, worker.weight_version = info, info.credits, info.weight_version
         worker.last_seen = now
-        self.dispatch(now)
+        self._dispatch_soon(now)
 
     def worker_seen(self, identity: WorkerId, now: float) -> WorkerState | None:
         """Refresh a worker's liveness; an unknown worker is told to reconnect fresh."""
@@ -222,9 +230,9 @@ class Scheduler:
         worker = self.worker_seen(identity, now)
         if worker is not None:
             worker.capacity = max(0, credits)
-            self.dispatch(now)
+            self._dispatch_soon(now)
 
-    def worker_partial(self, identity: WorkerId, deltas: list[p.Delta], now: float) -> None:
+    def worker_partial(self, identity: WorkerId, deltas: list[p.DeltaRelay], now: float) -> None:
         worker = self.worker_seen(identity, now)
         if worker is None:
             return
@@ -236,7 +244,7 @@ class Scheduler:
             delta.key = job.spec.job_id
             self.outbox.to_client(job.client, p.PARTIAL, delta)
 
-    def worker_final(self, identity: WorkerId, results: list[p.Result], now: float) -> None:
+    def worker_final(self, identity: WorkerId, results: list[p.ResultRelay], now: float) -> None:
         worker = self.worker_seen(identity, now)
         if worker is None:
             return
@@ -248,7 +256,7 @@ class Scheduler:
             self.outbox.to_client(job.client, p.FINAL, result)
             self.stats.completed += 1
             self.stats.observe_done(now - job.submitted_at)
-        self.dispatch(now)
+        self._dispatch_soon(now)
 
     def worker_error(self, identity: WorkerId, errors: list[p.ErrorItem], now: float) -> None:
         worker = self.worker_seen(identity, now)
@@ -260,7 +268,7 @@ class Scheduler:
                 continue
             self.outbox.to_client(job.client, p.ERROR, p.ErrorItem(job.spec.job_id, err.code, err.message))
             self.stats.failed += 1
-        self.dispatch(now)
+        self._dispatch_soon(now)
 
     def _finish(self, worker: WorkerState, ticket: object) -> Job | None:
         job = worker.running.pop(ticket, None)  # type: ignore[call-overload]
@@ -278,6 +286,7 @@ class Scheduler:
         worker = self.workers.pop(identity, None)
         if worker is None:
             return
+        self.sync.forget(identity, reason, now)
         requeued = failed = 0
         for job in reversed(list(worker.running.values())):
             client = self.clients.get(job.client)
@@ -301,7 +310,7 @@ class Scheduler:
         self.stats.requeued += requeued
         self.stats.failed += failed
         log.info("worker %s gone (%s): %d jobs requeued, %d failed", worker.info.name, reason, requeued, failed)
-        self.dispatch(now)
+        self._dispatch_soon(now)
 
     # -- time ------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -313,10 +322,24 @@ class Scheduler:
             self.worker_gone(identity, "heartbeat expired", now)
         for identity in [c for c, s in self.clients.items() if now - s.last_seen > cfg.client_expiry]:
             self.client_gone(identity, "heartbeat expired", now)
+        self.sync.tick(now)
         for identity in self.workers:
             self.outbox.to_worker(identity, p.HEARTBEAT, None)
 
     # -- dispatch --------------------------------------------------------------------------
+    def _dispatch_soon(self, now: float) -> None:
+        """Dispatch now, or, when the socket loop batches (``defer_dispatch``), once at the
+        end of its pass: one heap of workers per pass instead of one per message."""
+        if self.defer_dispatch:
+            self._dispatch_pending = True
+        else:
+            self.dispatch(now)
+
+    def flush_dispatch(self, now: float) -> None:
+        if self._dispatch_pending:
+            self._dispatch_pending = False
+            self.dispatch(now)
+
     def dispatch(self, now: float) -> None:
         """Hand queued jobs to workers with free credits: least loaded worker first, one job
         per client in turn (fair sharing), never to a worker older than a job's
@@ -383,11 +406,16 @@ class Scheduler:
         self.outbox.to_worker(worker.identity, p.JOBS, p.Assignment(job.ticket, job.spec))
 
     # -- status ----------------------------------------------------------------------------
+    def worker_state(self, w: WorkerState) -> str:
+        if self.sync.holds(w.identity):
+            return "syncing"
+        return "ready" if w.weight_version >= self.fleet_version else "stale"
+
     def status(self, now: float) -> p.StatusReply:
         workers = [
             p.WorkerStatus(
                 w.info.name,
-                "ready" if w.accepting else "held",
+                self.worker_state(w),
                 w.info.model,
                 w.capacity,
                 len(w.running),
@@ -398,4 +426,4 @@ class Scheduler:
         ]
         clients = [p.ClientStatus(c.name, len(c.queued), len(c.running)) for c in self.clients.values()]
         running = sum(len(w.running) for w in self.workers.values())
-        return p.StatusReply(workers, clients, self.num_queued, running)
+        return p.StatusReply(workers, clients, self.num_queued, running, self.fleet_version)

@@ -59,6 +59,7 @@ class Broker:
     def __init__(self, config: BrokerConfig | None = None, context: zmq.Context[Any] | None = None) -> None:
         self.config = config or BrokerConfig()
         self.scheduler = Scheduler(self.config)
+        self.scheduler.defer_dispatch = True  # dispatched once per loop pass, in _flush
         self._ctx = context or zmq.Context.instance()
         self.frontend = self._router(self.config.frontend)
         self.backend = self._router(self.config.backend)
@@ -135,6 +136,7 @@ class Broker:
             handler(frames[0].bytes, [f.buffer for f in frames[1:]], now)
 
     def _flush(self, now: float) -> None:
+        self.scheduler.flush_dispatch(now)
         for side, identity, command, body in self.scheduler.outbox.drain():
             sock = self.frontend if side == CLIENT else self.backend
             try:
@@ -147,7 +149,7 @@ class Broker:
                     self.scheduler.worker_gone(identity, f"unroutable: {exc.strerror}", now)
                 else:
                     self.scheduler.client_gone(identity, f"unroutable: {exc.strerror}", now)
-        if len(self.scheduler.outbox):  # a purge above may have requeued and dispatched
+        if len(self.scheduler.outbox) or self.scheduler._dispatch_pending:  # a purge above requeued jobs
             self._flush(now)
 
     # -- clients ---------------------------------------------------------------------------
@@ -192,6 +194,9 @@ class Broker:
             sched.outbox.to_client(identity, p.STATUS_REPLY, sched.status(now))
         elif command == p.DISCONNECT:
             sched.client_gone(identity, "client disconnected", now)
+        elif command == p.SYNC:
+            sched.client_seen(identity, now)
+            sched.sync.step(identity, msg.body, now)
 
     def _salvage_submit(self, identity: bytes, header: Any, now: float) -> None:
         try:
@@ -234,8 +239,8 @@ class Broker:
             sched.worker_credit(identity, body, now)
         elif command == p.DISCONNECT:
             sched.worker_gone(identity, "worker left", now)
-        elif command == p.CONTROL_ACK:
-            sched.worker_seen(identity, now)  # weight-sync rounds: next issue
+        elif command == p.CONTROL_ACK and sched.worker_seen(identity, now) is not None:
+            sched.sync.ack(identity, body, now)
 
 
 class BrokerThread:

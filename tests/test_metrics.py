@@ -85,7 +85,8 @@ def test_queue_and_worker_gauges(server: MetricsServer, scheduler: Scheduler) ->
     assert samples[("zmq_rollout_running_jobs", (("client", "trainer-b"),))] == 1
     assert samples[("zmq_rollout_queued_jobs", ())] == scheduler.num_queued == 2
     assert samples[("zmq_rollout_workers", (("state", "ready"),))] == 2
-    assert samples[("zmq_rollout_workers", (("state", "held"),))] == 0
+    assert samples[("zmq_rollout_workers", (("state", "syncing"),))] == 0
+    assert samples[("zmq_rollout_workers", (("state", "stale"),))] == 0
     assert samples[("zmq_rollout_credits", ())] == 3
     assert samples[("zmq_rollout_credits_free", ())] == 0
 

@@ -167,8 +167,8 @@ def test_outbox_coalesces_one_jobs_message_per_worker() -> None:
     s.submit(A, jobs("a", 64), now=0.0)
     sent = s.outbox.drain()
     assert [(side, peer, cmd) for side, peer, cmd, _ in sent] == [
+        (WORKER, W1, p.JOBS),  # workers first: their work starts sooner
         (CLIENT, A, p.ACCEPTED),
-        (WORKER, W1, p.JOBS),
     ]
     assert len(assigned(sent, W1)) == 64
     assert len({a.ticket for a in assigned(sent, W1)}) == 64

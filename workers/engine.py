@@ -7,6 +7,7 @@ Only stable AsyncLLM APIs are used (``from_engine_args``, ``generate``, ``abort`
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -40,6 +41,7 @@ def engine_args(config: WorkerConfig) -> Any:
         "max_logprobs": p.MAX_TOP_LOGPROBS,
         "disable_log_stats": True,
         "enable_prefix_caching": True,
+        "worker_extension_cls": "zmq_rollout.workers.extension.WeightSyncExtension",
     }
     if config.attention_backend:
         wanted["attention_backend"] = config.attention_backend
@@ -107,6 +109,10 @@ class Engine:
         self.max_num_seqs: int = vcfg.scheduler_config.max_num_seqs
         self.tokenizer = self.llm.get_tokenizer()
         self.weight_version = 0
+        self.pause_epoch = 0  # bumped by every pause; a job that sees it change was preempted
+        self.pause_mode = ""
+        self._running = asyncio.Event()
+        self._running.set()
 
     @property
     def errored(self) -> bool:
@@ -134,29 +140,50 @@ class Engine:
             )
         return list(ids)
 
-    async def run(self, request_id: str, job: p.JobSpec) -> AsyncIterator[p.Delta | p.Result]:
-        """Run a job: ``Delta``s (if ``job.stream``), then one ``Result``. Keys are left 0."""
-        ids = self.prompt_ids(job)
-        params = vllm_sampling(job.sampling, stream=job.stream)
-        top = job.sampling.logprobs
-        samples: dict[int, p.Sample] = {}
-        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
-            for comp in out.outputs:
-                tokens = list(comp.token_ids)
-                chosen, tops = sampled_logprobs(tokens, comp.logprobs, top)
-                sample = samples.get(comp.index)
-                if sample is None:
-                    sample = samples[comp.index] = p.Sample(comp.index, [], [], "", [] if top else None)
-                sample.token_ids.extend(tokens)
-                sample.logprobs.extend(chosen)
-                if tops is not None and sample.top_logprobs is not None:
-                    sample.top_logprobs.extend(tops)
-                if comp.finish_reason is not None:
-                    sample.finish_reason = str(comp.finish_reason)
-                if job.stream and tokens:
-                    yield p.Delta(0, comp.index, tokens, chosen)
-        ordered = [samples[i] for i in sorted(samples)]
-        yield p.Result(0, ids, ordered, self.weight_version, "")
+    # -- weight syncs ----------------------------------------------------------------------
+    async def pause(self, mode: str) -> None:
+        """Stop generating for a weight sync: ``abort`` cuts requests short (jobs continue
+        after ``resume``), ``wait`` drains them, ``keep`` freezes them in place."""
+        self.pause_epoch += 1
+        self._running.clear()
+        self.pause_mode = mode
+        await self.llm.pause_generation(mode=mode, clear_cache=mode != "keep")  # type: ignore[arg-type]
+
+    async def resume(self) -> None:
+        if self._running.is_set():
+            return
+        if self.pause_mode != "keep":
+            await self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
+        await self.llm.resume_generation()
+        self._running.set()
+
+    async def resumed(self) -> None:
+        await self._running.wait()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    async def rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call a ``WeightSyncExtension`` method in every engine worker (one per TP rank)."""
+        return list(await self.llm.collective_rpc(method, args=args, kwargs=kwargs or None))
+
+    def checkpoint_names(self) -> set[str]:
+        """Tensor names in the model folder's safetensors files (what a trainer must send)."""
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        names: set[str] = set()
+        for path in sorted(Path(self.config.model).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                names.update(f.keys())
+        return names
+
+    def run(self, request_id: str, job: p.JobSpec) -> AsyncIterator[p.Delta | p.Result]:
+        from .generation import run_job
+
+        return run_job(self, request_id, job)
 
     async def warm_up(self) -> None:
         """One short seeded job with logprobs: the first such request compiles kernels (seconds

@@ -25,6 +25,7 @@ from zmq_rollout.batching import append
 from zmq_rollout.config import WorkerConfig
 from zmq_rollout.errors import ProtocolError
 
+from .control import SyncParticipant
 from .engine import Engine, InvalidJob
 from .metrics import WorkerMetrics
 
@@ -48,6 +49,7 @@ class Worker:
         self._flush_scheduled = False
         self._last_heard = 0.0
         self._exit: asyncio.Future[int] | None = None
+        self.sync = SyncParticipant(engine, lambda ack: self._send_now(p.CONTROL_ACK, ack), self._fatal, self._drain)
 
     # -- connection ------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -62,15 +64,19 @@ class Worker:
             self.config.model,
             self.engine.max_num_seqs,
             self.engine.weight_version,
-            ["generate", "stream", "chat"],
+            ["generate", "stream", "chat", "weight_sync:shm", "weight_sync:gloo", "weight_sync:nccl"],
             self.engine.max_model_len,
+            self.config.tensor_parallel_size,
         )
         self._send_now(p.READY, info)
         log.info("worker %s: READY to %s with %d credits", self.name, self.config.broker, info.credits)
 
     async def _reconnect(self, reason: str) -> None:
         log.warning("worker %s: reconnecting (%s); aborting %d jobs", self.name, reason, len(self._tasks))
+        self.sync.cancel()
         await self._abort_all()
+        if self.engine.paused:  # evicted in the middle of a sync round
+            await self.sync.resume_or_exit(f"reconnecting ({reason})")
         if self._sock is not None:
             self._sock.close(linger=0)
         self._outgoing.clear()
@@ -116,6 +122,10 @@ class Worker:
         if self._exit is not None and not self._exit.done():
             self._exit.set_result(code)
 
+    def _fatal(self, code: int, detail: str) -> None:
+        log.error("worker %s: %s; exiting with code %d", self.name, detail, code)
+        self.stop(code)
+
     def _engine_dead(self, detail: str) -> None:
         log.error("worker %s: engine died (%s); exiting with code %d", self.name, detail, EXIT_ENGINE_DEAD)
         self.stop(EXIT_ENGINE_DEAD)
@@ -158,16 +168,7 @@ class Worker:
             elif msg.command == p.DISCONNECT:
                 await self._reconnect("broker said DISCONNECT")
             elif msg.command == p.CONTROL:
-                self._send_now(
-                    p.CONTROL_ACK,
-                    p.ControlAck(
-                        msg.body.round_id,
-                        msg.body.op,
-                        False,
-                        self.engine.weight_version,
-                        "control rounds are not supported by this worker",
-                    ),
-                )
+                self.sync.submit(msg.body)
 
     # -- jobs ------------------------------------------------------------------------------
     def _start(self, assignment: p.Assignment) -> None:
@@ -208,6 +209,11 @@ class Worker:
         for task in tasks:
             task.cancel()
         await self.engine.abort([str(t) for t in tickets])
+
+    async def _drain(self) -> None:
+        """Until every job in flight has finished."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks.values()))
 
     async def _abort_all(self) -> None:
         if self._tasks:

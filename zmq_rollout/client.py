@@ -52,6 +52,7 @@ class Rollout:
     weight_version: int
     worker_id: str
     top_logprobs: list[dict[int, float]] | None = None
+    weight_versions: list[int] | None = None  # per token, only if the sample spans a weight sync
 
 
 @dataclass
@@ -105,6 +106,7 @@ def to_rollouts(result: p.Result, prompt_index: int = 0) -> list[Rollout]:
             result.weight_version,
             result.worker_id,
             s.top_logprobs,
+            s.weight_versions,
         )
         for s in sorted(result.samples, key=lambda s: s.index)
     ]
@@ -131,6 +133,7 @@ class AsyncRolloutClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[str, _Pending] = {}
         self._status_waiters: list[asyncio.Future[p.StatusReply]] = []
+        self._sync_waiters: list[asyncio.Future[p.SyncReply]] = []
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}{uuid.uuid4().hex[:6]}-"
         self._tasks: list[asyncio.Task[None]] = []
@@ -267,6 +270,36 @@ class AsyncRolloutClient:
             if future in self._status_waiters:
                 self._status_waiters.remove(future)
 
+    # -- weight sync -----------------------------------------------------------------------
+    async def sync_step(self, step: p.SyncStep) -> p.SyncReply:
+        """One step of a weight-sync round (``zmq_rollout.trainer`` drives them)."""
+        future: asyncio.Future[p.SyncReply] = asyncio.get_running_loop().create_future()
+        self._sync_waiters.append(future)
+        await self._send(p.SYNC, step)
+        limit = step.timeout + self.config.request_timeout
+        try:
+            return await asyncio.wait_for(future, limit)
+        except asyncio.TimeoutError:
+            raise RolloutTimeoutError(
+                f"the broker did not answer sync step {step.op!r} within {limit} s "
+                "(the step's timeout= plus ClientConfig.request_timeout)"
+            ) from None
+        finally:
+            if future in self._sync_waiters:
+                self._sync_waiters.remove(future)
+
+    async def update_weights(self, source: Any, **kwargs: Any) -> Any:
+        """Push new policy weights into every worker; returns a ``SyncReport``.
+
+        ``source``: an ``nn.Module`` or ``(name, tensor)`` pairs with checkpoint names.
+        Keywords: ``transport`` ("shm" | "gloo" | "nccl"), ``pause`` ("abort" | "wait" |
+        "keep"), ``version`` (default: the fleet's + 1), ``bucket_bytes``, ``timeout`` (per
+        step; a worker that misses it is evicted), ``check_names``, ``master_addr``.
+        """
+        from zmq_rollout.trainer import update_weights
+
+        return await update_weights(self, source, **kwargs)
+
     # -- background ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
         while True:
@@ -307,6 +340,10 @@ class AsyncRolloutClient:
                     handle.stream.put_nowait(None)
                 if not handle.future.done():
                     handle.future.set_exception(error_from_code(item.code, item.message, item.key))
+        elif command == p.SYNC_REPLY and self._sync_waiters:
+            sync_waiter = self._sync_waiters.pop(0)
+            if not sync_waiter.done():
+                sync_waiter.set_result(body)
         elif command == p.STATUS_REPLY and self._status_waiters:
             waiter = self._status_waiters.pop(0)
             if not waiter.done():
@@ -387,6 +424,10 @@ class RolloutClient:
 
     def status(self) -> p.StatusReply:
         return self._call(self._async.status())
+
+    def update_weights(self, source: Any, **kwargs: Any) -> Any:
+        """See ``AsyncRolloutClient.update_weights``."""
+        return self._call(self._async.update_weights(source, **kwargs))
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -29,6 +29,7 @@ FROM_CLIENT: dict[bytes, Any] = {
     p.STATUS: None,
     p.HEARTBEAT: None,
     p.DISCONNECT: None,
+    p.SYNC: p.SyncStep,
 }
 TO_CLIENT: dict[bytes, Any] = {
     p.ACCEPTED: list[str],
@@ -37,13 +38,15 @@ TO_CLIENT: dict[bytes, Any] = {
     p.ERROR: list[p.ErrorItem],
     p.BUSY: list[p.ErrorItem],
     p.STATUS_REPLY: p.StatusReply,
+    p.SYNC_REPLY: p.SyncReply,
     p.HEARTBEAT: None,
 }
 FROM_WORKER: dict[bytes, Any] = {
     p.READY: p.WorkerInfo,
     p.CREDIT: int,
-    p.PARTIAL: list[p.Delta],
-    p.FINAL: list[p.Result],
+    # Token payloads stay raw msgpack in the broker: it routes on the key and forwards.
+    p.PARTIAL: list[p.DeltaRelay],
+    p.FINAL: list[p.ResultRelay],
     p.ERROR: list[p.ErrorItem],
     p.HEARTBEAT: None,
     p.CONTROL_ACK: p.ControlAck,

@@ -9,6 +9,7 @@
     ├── JobFailedError           a worker accepted the job and it failed there
     ├── JobCancelledError        the job was cancelled before it finished
     ├── RolloutTimeoutError      nothing came back in time (the message names the setting)
+    ├── SyncError                a weight-sync round or one of its steps failed
     └── ClientClosedError        the client was closed while the call was pending
 
 Errors that cross the wire carry a ``code`` (a short string, see ``ErrorCode``); the
@@ -57,6 +58,10 @@ class ClientClosedError(RolloutError):
     code = "closed"
 
 
+class SyncError(RolloutError):
+    code = "sync"
+
+
 _BY_CODE: dict[str, type[RolloutError]] = {
     cls.code: cls
     for cls in (
@@ -67,6 +72,7 @@ _BY_CODE: dict[str, type[RolloutError]] = {
         JobCancelledError,
         RolloutTimeoutError,
         ClientClosedError,
+        SyncError,
     )
 }
 

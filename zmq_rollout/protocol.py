@@ -33,6 +33,7 @@ CANCEL = b"\x02"  # list[str] job ids (client) / list[int] tickets (broker -> wo
 STATUS = b"\x03"  # nil
 HEARTBEAT = b"\x04"  # nil; both ways, client<->broker and worker<->broker
 DISCONNECT = b"\x05"  # nil; client->broker "I am leaving"; broker->worker "reconnect fresh"
+SYNC = b"\x06"  # SyncStep: one step of a weight-sync round (trainer -> broker)
 # broker -> client
 ACCEPTED = b"\x11"  # list[str] job ids now queued
 PARTIAL = b"\x12"  # list[Delta]; also worker -> broker (keyed by ticket)
@@ -40,18 +41,21 @@ FINAL = b"\x13"  # list[Result]; also worker -> broker (keyed by ticket)
 ERROR = b"\x14"  # list[ErrorItem]; also worker -> broker (keyed by ticket)
 BUSY = b"\x15"  # list[ErrorItem]: the client's queue is full, retry later
 STATUS_REPLY = b"\x16"  # StatusReply
+SYNC_REPLY = b"\x17"  # SyncReply: the outcome of a SyncStep
 # worker -> broker
 READY = b"\x21"  # WorkerInfo: register (or re-register) with credits
 CREDIT = b"\x22"  # int: the worker's capacity changed (absolute number of credits)
 CONTROL_ACK = b"\x23"  # ControlAck: answer to a CONTROL step (weight sync)
 # broker -> worker
 JOBS = b"\x31"  # list[Assignment]
-CONTROL = b"\x32"  # Control: a step of a control round (weight sync); reserved in v1
+CONTROL = b"\x32"  # Control: a step of a weight-sync round, for this worker
 
 COMMAND_NAMES = {
     SUBMIT: "submit",
     CANCEL: "cancel",
     STATUS: "status",
+    SYNC: "sync",
+    SYNC_REPLY: "sync_reply",
     HEARTBEAT: "heartbeat",
     DISCONNECT: "disconnect",
     ACCEPTED: "accepted",
@@ -83,21 +87,25 @@ class Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Base of every wire body. Extra trailing array items are ignored (forward compatible)."""
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+# The checks run for every job on the broker's hot path: each tests first and builds its
+# message only on failure (formatting on every call was a quarter of the broker's time).
 
 
 def _finite(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    _require(ok, f"{name} must be a finite number")
-    low_ok = value > lo if lo_open else value >= lo
-    _require(low_ok and value <= hi, f"{name}={value} is outside {'(' if lo_open else '['}{lo}, {hi}]")
+    # NaN and infinities fail the range comparisons; bool is not a number here.
+    if type(value) in (float, int) and (lo < value if lo_open else lo <= value) and value <= hi:
+        return
+    if type(value) not in (float, int) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    raise ValueError(f"{name}={value} is outside {'(' if lo_open else '['}{lo}, {hi}]")
 
 
 def _int(name: str, value: int, lo: int, hi: int) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer")
-    _require(lo <= value <= hi, f"{name}={value} is outside [{lo}, {hi}]")
+    if type(value) is int and lo <= value <= hi:
+        return
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    raise ValueError(f"{name}={value} is outside [{lo}, {hi}]")
 
 
 class SamplingParams(Struct):
@@ -123,12 +131,17 @@ class SamplingParams(Struct):
         _finite("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _int("top_k", self.top_k, -1, 1 << 20)
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
-        _require(isinstance(self.stop, list) and len(self.stop) <= MAX_STOP, f"stop takes at most {MAX_STOP} strings")
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        stop = self.stop
+        if stop:
+            if not isinstance(stop, list) or len(stop) > MAX_STOP:
+                raise ValueError(f"stop takes at most {MAX_STOP} strings, as a list")
+            if not all(isinstance(s, str) and s for s in stop):
+                raise ValueError("stop strings must be non-empty strings")
         if self.seed is not None:
             _int("seed", self.seed, 0, (1 << 63) - 1)
         _int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
-        _require(isinstance(self.ignore_eos, bool), "ignore_eos must be a bool")
+        if type(self.ignore_eos) is not bool:
+            raise ValueError("ignore_eos must be a bool")
 
 
 class ChatMessage(Struct):
@@ -152,21 +165,19 @@ class JobSpec(Struct):
     min_weight_version: int = 0
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID,
-            f"job_id must be a string of 1..{MAX_JOB_ID} characters",
-        )
-        given = [x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)]
-        _require(sum(given) == 1, "give exactly one of prompt, messages, prompt_token_ids")
-        if self.prompt is not None:
-            _require(0 < len(self.prompt) <= MAX_PROMPT_CHARS, "prompt must be 1..1 MiB characters")
-        if self.messages is not None:
-            _require(0 < len(self.messages) <= MAX_MESSAGES, f"messages must hold 1..{MAX_MESSAGES} items")
-        if self.prompt_token_ids is not None:
-            ids = self.prompt_token_ids
-            _require(0 < len(ids) <= MAX_PROMPT_TOKENS, "prompt_token_ids must hold 1..1M ids")
-            _require(min(ids) >= 0, "prompt_token_ids must be non-negative")
-        _int("min_weight_version", self.min_weight_version, 0, (1 << 63) - 1)
+        if not (isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID):
+            raise ValueError(f"job_id must be a string of 1..{MAX_JOB_ID} characters")
+        prompt, messages, ids = self.prompt, self.messages, self.prompt_token_ids
+        if (prompt is not None) + (messages is not None) + (ids is not None) != 1:
+            raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+        if prompt is not None and not 0 < len(prompt) <= MAX_PROMPT_CHARS:
+            raise ValueError("prompt must be 1..1 MiB characters")
+        if messages is not None and not 0 < len(messages) <= MAX_MESSAGES:
+            raise ValueError(f"messages must hold 1..{MAX_MESSAGES} items")
+        if ids is not None and not (0 < len(ids) <= MAX_PROMPT_TOKENS and min(ids) >= 0):
+            raise ValueError("prompt_token_ids must hold 1..1M non-negative ids")
+        if self.min_weight_version:
+            _int("min_weight_version", self.min_weight_version, 0, (1 << 63) - 1)
 
     def cost(self) -> int:
         """Credits this job occupies on a worker: one per sequence."""
@@ -190,11 +201,15 @@ class Delta(Struct):
 
 
 class Sample(Struct):
+    """One completion. ``weight_versions`` is set only when the sample spans a weight sync:
+    then it holds the version that produced each token (else all are the Result's)."""
+
     index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     top_logprobs: list[dict[int, float]] | None = None
+    weight_versions: list[int] | None = None
 
 
 class Result(Struct):
@@ -203,6 +218,26 @@ class Result(Struct):
     key: str | int
     prompt_token_ids: list[int]
     samples: list[Sample]
+    weight_version: int
+    worker_id: str
+
+
+class DeltaRelay(Struct):
+    """The broker's view of a worker's ``Delta``: it routes on ``key`` and forwards the token
+    payload as the raw msgpack it came in (same wire shape, no decode and re-encode)."""
+
+    key: str | int
+    index: int
+    token_ids: msgspec.Raw
+    logprobs: msgspec.Raw
+
+
+class ResultRelay(Struct):
+    """The broker's view of a worker's ``Result`` (see ``DeltaRelay``)."""
+
+    key: str | int
+    prompt_token_ids: msgspec.Raw
+    samples: msgspec.Raw
     weight_version: int
     worker_id: str
 
@@ -224,15 +259,66 @@ class WorkerInfo(Struct):
     weight_version: int = 0
     capabilities: list[str] = []
     max_model_len: int = 0
+    num_ranks: int = 1  # ranks this worker brings to a collective (its tensor-parallel size)
 
     def __post_init__(self) -> None:
-        _require(0 < len(self.name) <= 256, "worker name must be 1..256 characters")
+        if not 0 < len(self.name) <= 256:
+            raise ValueError("worker name must be 1..256 characters")
         _int("credits", self.credits, 0, 1 << 20)
         _int("weight_version", self.weight_version, 0, (1 << 63) - 1)
 
 
+SYNC_OPS = frozenset(
+    {"begin", "check_names", "begin_update", "load_shm", "join_group", "receive_bucket", "leave_group", "finish_update",
+     "commit", "abort"}
+)  # fmt: skip
+PAUSE_MODES = frozenset({"abort", "wait", "keep"})
+
+
+class SyncStep(Struct):
+    """trainer -> broker: run ``op`` on every worker of round ``round_id`` and report.
+
+    ``begin`` opens a round (``round_id`` 0 asks the broker to number it) and pauses every
+    worker per ``args["pause"]``; ``commit`` sets ``args["version"]`` and resumes them;
+    ``abort`` resumes them with their old weights. Workers that do not answer within
+    ``timeout`` seconds are evicted (told to DISCONNECT, their jobs requeued).
+    """
+
+    round_id: int
+    op: str
+    args: dict[str, Any] = {}
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.op not in SYNC_OPS:
+            raise ValueError(f"unknown sync op {self.op!r}; expected one of {sorted(SYNC_OPS)}")
+        _finite("timeout", self.timeout, 0.001, 86_400.0)
+
+
+class WorkerAck(Struct):
+    name: str
+    ok: bool
+    result: Any = None
+    message: str = ""
+
+
+class Evicted(Struct):
+    name: str
+    reason: str
+
+
+class SyncReply(Struct):
+    round_id: int
+    op: str
+    acks: list[WorkerAck]
+    evicted: list[Evicted] = []
+    fleet_version: int = 0
+    error: str = ""  # set when the step was refused as a whole (no round, another round running)
+
+
 class Control(Struct):
-    """broker -> worker: a step of a control round (weight sync). Reserved in protocol v1."""
+    """broker -> worker: a step of a weight-sync round. ``args`` carries the step's
+    arguments plus, for collectives, this worker's ``rank_offset``."""
 
     round_id: int
     op: str
@@ -245,6 +331,7 @@ class ControlAck(Struct):
     ok: bool
     weight_version: int
     message: str = ""
+    result: Any = None
 
 
 class WorkerStatus(Struct):
@@ -268,3 +355,4 @@ class StatusReply(Struct):
     clients: list[ClientStatus]
     queued: int
     running: int
+    fleet_version: int = 0

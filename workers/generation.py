@@ -1,0 +1,142 @@
+"""Running one job on the engine, across weight syncs.
+
+Tokens are stamped with the weight version that produced them. If a sync pauses the
+engine in ``abort`` mode, vLLM ends the job's requests early; the job then waits for the
+engine to resume and *continues* every unfinished sample from the tokens it already has
+(prompt + generated so far, the remaining ``max_tokens``), so no work is lost. Such a
+sample carries exact per-token ``weight_versions`` (old for the first part, new after).
+
+Non-streaming jobs ask vLLM for the final output only (a per-token output costs the worker's
+event loop a message per token, which capped GPU throughput at about 60% of direct vLLM);
+a request's tokens are then stamped with the version live when it started, which is exact
+because weights change only while requests are paused and cut off. ``keep`` mode is the
+exception: vLLM freezes the requests and they finish on the new weights, so a sample that
+spans the switch reports the version it finished under and, unless it was streamed (then
+each delta is stamped on arrival), no per-token split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from zmq_rollout import protocol as p
+
+from .engine import sampled_logprobs, vllm_sampling
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass
+class _Acc:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] | None = None
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    unsplit: bool = False
+
+    def sample(self) -> p.Sample:
+        spans = self.versions if len(set(self.versions)) > 1 and not self.unsplit else None
+        return p.Sample(self.index, self.token_ids, self.logprobs, self.finish_reason, self.top, spans)
+
+
+def continuation(job: p.JobSpec, acc: _Acc, prompt_ids: list[int]) -> tuple[list[int], p.SamplingParams] | None:
+    """The request that continues a preempted sample, or None if it has nothing left to do."""
+    s = job.sampling
+    left = s.max_tokens - len(acc.token_ids)
+    if left <= 0:
+        return None
+    seed = None if s.seed is None else (s.seed * 1_000_003 + acc.index * 7919 + len(acc.token_ids)) & _MASK63
+    params = p.SamplingParams(1, s.temperature, s.top_p, s.top_k, left, list(s.stop), seed, s.logprobs, s.ignore_eos)
+    return prompt_ids + acc.token_ids, params
+
+
+async def run_job(engine: Engine, request_id: str, job: p.JobSpec) -> AsyncIterator[p.Delta | p.Result]:
+    """``Delta``s (if ``job.stream``), then one ``Result``. Keys are left 0 for the caller."""
+    ids = engine.prompt_ids(job)
+    top = job.sampling.logprobs
+    accs = {i: _Acc(i, top=[] if top else None) for i in range(job.sampling.n)}
+    # (request id, prompt, params, index of the sample, or None: vLLM's own n samples)
+    requests: list[tuple[str, list[int], p.SamplingParams, int | None]] = [(request_id, ids, job.sampling, None)]
+    attempt = 0
+    while requests:
+        epoch = engine.pause_epoch
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        tasks = [
+            asyncio.ensure_future(_drive(engine, rid, prompt, params, idx, queue, job.stream))
+            for rid, prompt, params, idx in requests
+        ]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                index, tokens, chosen, tops, finish, version = item
+                acc = accs[index]
+                acc.token_ids.extend(tokens)
+                acc.logprobs.extend(chosen)
+                if version < 0:  # a keep-mode switch inside an unstreamed request: no split known
+                    acc.unsplit = True
+                    version = engine.weight_version
+                acc.versions.extend([version] * len(tokens))
+                if tops is not None and acc.top is not None:
+                    acc.top.extend(tops)
+                if finish is not None:
+                    acc.finish_reason = finish
+                if job.stream and tokens:
+                    yield p.Delta(0, index, tokens, chosen)
+        finally:
+            for task in tasks:
+                task.cancel()
+        requests = []
+        if engine.pause_epoch != epoch:  # a sync preempted us: continue what was cut short
+            await engine.resumed()
+            attempt += 1
+            for acc in accs.values():
+                if acc.finish_reason == "abort":
+                    nxt = continuation(job, acc, ids)
+                    if nxt is None:
+                        acc.finish_reason = "length"
+                    else:
+                        requests.append((f"{request_id}-c{attempt}-{acc.index}", nxt[0], nxt[1], acc.index))
+    versions = [v for acc in accs.values() for v in acc.versions] or [engine.weight_version]
+    yield p.Result(0, ids, [accs[i].sample() for i in sorted(accs)], max(versions), "")
+
+
+async def _drive(
+    engine: Engine,
+    rid: str,
+    prompt: list[int],
+    params: p.SamplingParams,
+    index: int | None,
+    queue: asyncio.Queue[Any],
+    stream: bool,
+) -> None:
+    """Feed one vLLM request's outputs into ``queue`` as (index, tokens, logprobs, top, finish,
+    version); version -1 marks tokens whose version split is unknown (see the module doc)."""
+    started = engine.weight_version
+    try:
+        async for out in engine.llm.generate({"prompt_token_ids": prompt}, vllm_sampling(params, stream=stream), rid):
+            version = engine.weight_version if stream else (started if engine.weight_version == started else -1)
+            for comp in out.outputs:
+                tokens = list(comp.token_ids)
+                chosen, tops = sampled_logprobs(tokens, comp.logprobs, params.logprobs)
+                finish = None if comp.finish_reason is None else str(comp.finish_reason)
+                queue.put_nowait((comp.index if index is None else index, tokens, chosen, tops, finish, version))
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        queue.put_nowait(exc)
+    finally:
+        queue.put_nowait(None)
