@@ -33,7 +33,13 @@ import msgspec
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
-from zmq_rollout.protocol import _finite, _int, _require
+from zmq_rollout.protocol import _finite, _int
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
 
 NUM_ITEMS = 64
 PROMPT = ("Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?").ljust(100)

@@ -5,7 +5,8 @@ when it began). The trainer drives it step by step (``SyncStep``); each step is 
 the broker sends the step to every member as CONTROL, collects their CONTROL_ACKs, and
 answers the trainer with one SYNC_REPLY when all have answered *or the step's timeout
 passes*. A member that misses the deadline is evicted (DISCONNECT, its jobs requeued): it
-rejoins as a fresh worker with version 0 and gets no jobs until a later round syncs it.
+rejoins as a fresh worker with the version it holds (or exits and restarts if its weights
+were partly overwritten), and gets no jobs until its version is the fleet's.
 Nothing here can wait forever: every step has a deadline, and a round whose trainer goes
 silent for ``round_idle_timeout`` is aborted and its workers resumed.
 
@@ -51,6 +52,7 @@ class Round:
     names: dict[bytes, str]
     last_activity: float
     step: Step | None = None
+    lost: list[p.Evicted] = field(default_factory=list)  # members lost between steps, not yet reported
 
 
 class SyncCoordinator:
@@ -138,6 +140,8 @@ class SyncCoordinator:
             rnd.step.waiting.discard(worker)
             rnd.step.evicted.append(p.Evicted(name, reason))
             self._maybe_done(rnd, now)
+        else:
+            rnd.lost.append(p.Evicted(name, reason))  # reported with the next step's reply
 
     def _maybe_done(self, rnd: Round, now: float) -> None:
         step = rnd.step
@@ -146,9 +150,17 @@ class SyncCoordinator:
         rnd.step = None
         rnd.last_activity = now
         sched = self.scheduler
+        if step.op == "begin":  # a worker that could not pause takes no part in the round
+            for identity in [i for i in rnd.members if i in step.acks and not step.acks[i].ok]:
+                del rnd.members[identity]
+                w = sched.workers.get(identity)
+                if w is not None:
+                    w.accepting = w.weight_version >= sched.fleet_version
+        if rnd.lost:
+            step.evicted[:0], rnd.lost = rnd.lost, []
         if step.op == "commit":
             versions = [a.result for a in step.acks.values() if a.ok and isinstance(a.result, int)]
-            sched.fleet_version = max(sched.fleet_version, *versions)
+            sched.fleet_version = max([sched.fleet_version, *versions])
         reply = p.SyncReply(rnd.round_id, step.op, list(step.acks.values()), step.evicted, sched.fleet_version)
         sched.outbox.to_client(rnd.client, p.SYNC_REPLY, reply)
         if step.op in ("commit", "abort"):
@@ -158,10 +170,8 @@ class SyncCoordinator:
         self.round = None
         self.num_rounds += 1
         sched = self.scheduler
-        for identity in rnd.members:
-            w = sched.workers.get(identity)
-            if w is not None:
-                w.accepting = w.weight_version >= sched.fleet_version
+        for w in sched.workers.values():  # members, and any worker that joined during the round
+            w.accepting = w.weight_version >= sched.fleet_version
         log.info("sync round %d ended (%s); fleet version %d", rnd.round_id, why, sched.fleet_version)
         sched._dispatch_soon(now)
 

@@ -315,6 +315,7 @@ def test_public_api_is_pinned() -> None:
         "RolloutError",
         "RolloutTimeoutError",
         "SamplingParams",
+        "SyncError",
         "__version__",
     ]
     for name in zmq_rollout.__all__:

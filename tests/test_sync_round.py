@@ -185,3 +185,56 @@ def test_min_weight_version_never_goes_to_an_older_worker() -> None:
     s.workers[W1].weight_version = 2
     s.dispatch(2.0)
     assert [cmd for _, cmd, _ in sent(s)] == [p.JOBS]
+
+
+def test_a_round_with_no_workers_commits_without_crashing() -> None:
+    s = Scheduler(BrokerConfig())
+    s.sync.step(T, p.SyncStep(0, "begin"), 1.0)
+    (reply,) = replies(sent(s))
+    assert reply.acks == [] and reply.error == ""
+    s.sync.step(T, p.SyncStep(reply.round_id, "commit", {"version": 1}), 2.0)
+    (reply,) = replies(sent(s))
+    assert reply.op == "commit" and s.sync.round is None and s.fleet_version == 0
+
+
+def test_a_worker_that_joins_during_a_round_is_stale_after_the_commit() -> None:
+    s = fleet(W1)
+    s.sync.step(T, p.SyncStep(0, "begin"), 1.0)
+    rnd = controls(sent(s))[W1].round_id
+    ack(s, W1, rnd, "pause")
+    s.worker_ready(W2, p.WorkerInfo("w2", "m", 4), 1.5)  # old weights, fine until the commit
+    assert s.workers[W2].accepting
+    s.sync.step(T, p.SyncStep(rnd, "commit", {"version": 1}), 2.0)
+    ack(s, W1, rnd, "commit", version=1, result=1)
+    sent(s)
+    assert not s.workers[W2].accepting and s.worker_state(s.workers[W2]) == "stale"
+    assert s.workers[W1].accepting
+
+
+def test_a_member_lost_between_steps_is_reported_with_the_next_reply() -> None:
+    s = fleet(W1, W2)
+    s.sync.step(T, p.SyncStep(0, "begin"), 1.0)
+    rnd = controls(sent(s))[W1].round_id
+    ack(s, W1, rnd, "pause")
+    ack(s, W2, rnd, "pause")
+    sent(s)
+    s.worker_gone(W2, "heartbeat expired", 2.0)
+    s.sync.step(T, p.SyncStep(rnd, "begin_update"), 3.0)
+    ctl = controls(sent(s))
+    assert set(ctl) == {W1} and ctl[W1].args["world_size"] == 2
+    ack(s, W1, rnd, "begin_update")
+    (reply,) = replies(sent(s))
+    assert [e.name for e in reply.evicted] == ["w2"]
+
+
+def test_a_worker_that_cannot_pause_leaves_the_round() -> None:
+    s = fleet(W1, W2)
+    s.sync.step(T, p.SyncStep(0, "begin"), 1.0)
+    rnd = controls(sent(s))[W1].round_id
+    ack(s, W1, rnd, "pause")
+    ack(s, W2, rnd, "pause", ok=False)
+    (reply,) = replies(sent(s))
+    assert [a.ok for a in reply.acks] == [True, False]
+    assert s.workers[W2].accepting and not s.workers[W1].accepting
+    s.sync.step(T, p.SyncStep(rnd, "begin_update"), 2.0)
+    assert set(controls(sent(s))) == {W1}

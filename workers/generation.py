@@ -100,7 +100,8 @@ async def run_job(engine: Engine, request_id: str, job: p.JobSpec) -> AsyncItera
             for task in tasks:
                 task.cancel()
         requests = []
-        if engine.pause_epoch != epoch:  # a sync preempted us: continue what was cut short
+        cut = [acc for acc in accs.values() if acc.finish_reason == "abort"]
+        if cut and engine.pause_epoch != epoch:  # a sync preempted us: continue what was cut short
             await engine.resumed()
             attempt += 1
             for acc in accs.values():

@@ -13,6 +13,7 @@ from zmq_rollout.errors import (
     ProtocolError,
     RolloutError,
     RolloutTimeoutError,
+    SyncError,
 )
 from zmq_rollout.protocol import ChatMessage, SamplingParams
 
@@ -32,5 +33,6 @@ __all__ = [
     "RolloutError",
     "RolloutTimeoutError",
     "SamplingParams",
+    "SyncError",
     "__version__",
 ]

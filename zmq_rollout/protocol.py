@@ -278,7 +278,7 @@ PAUSE_MODES = frozenset({"abort", "wait", "keep"})
 class SyncStep(Struct):
     """trainer -> broker: run ``op`` on every worker of round ``round_id`` and report.
 
-    ``begin`` opens a round (``round_id`` 0 asks the broker to number it) and pauses every
+    ``begin`` opens a round (the broker numbers it; ``round_id`` is ignored) and pauses every
     worker per ``args["pause"]``; ``commit`` sets ``args["version"]`` and resumes them;
     ``abort`` resumes them with their old weights. Workers that do not answer within
     ``timeout`` seconds are evicted (told to DISCONNECT, their jobs requeued).
