@@ -45,8 +45,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     config = BrokerConfig(
-        frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", heartbeat_interval=0.5, worker_liveness=4
-    )
+        frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", heartbeat_interval=0.5, worker_liveness=10
+    )  # expiry 5 s: quick for the SIGKILL test, tolerant of a loaded 2-core CI machine
     logs = tmp_path_factory.mktemp("logs")
     c = LocalCluster(tiny_model, num_workers=2, broker_config=config, log_dir=str(logs))
     try:
@@ -224,7 +224,8 @@ def test_seeded_long_prompts_in_one_batch_keep_the_engine_alive(cluster: LocalCl
     prompts = [[(i * 31 + j) % 250 + 3 for j in range(900)] for i in range(3)]
     rollouts = client.generate(prompts, SamplingParams(max_tokens=8, seed=11, ignore_eos=True))
     assert [len(r.token_ids) for r in rollouts] == [8, 8, 8]
-    assert sorted(cluster.registered()) == ["worker-0", "worker-1"]
+    assert all(proc.poll() is None for proc in cluster.workers.values())  # no engine died
+    cluster.wait_for_workers(2, 60)
 
 
 def test_engine_crash_exits_worker_nonzero(cluster: LocalCluster) -> None:
