@@ -151,8 +151,13 @@ def test_streaming_deltas_add_up_to_the_final(cluster: LocalCluster) -> None:
 def test_cancel_running_job_frees_credits(cluster: LocalCluster) -> None:
     async def go() -> None:
         async with AsyncRolloutClient(cluster.address, timeout=300) as c:
-            long = asyncio.ensure_future(c.generate([[1, 2, 3]], SamplingParams(max_tokens=900, ignore_eos=True)))
-            await asyncio.sleep(1.0)
+            # 32 samples x 1000 tokens: many seconds of work, so the cancel lands mid-job.
+            job = SamplingParams(n=32, max_tokens=1000, ignore_eos=True)
+            long = asyncio.ensure_future(c.generate([[1, 2, 3]], job))
+            sched = cluster.broker.broker.scheduler
+            while not any(w.running for w in list(sched.workers.values())):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
             await c.cancel(list(c._pending))
             with pytest.raises(JobCancelledError):
                 await long
