@@ -45,7 +45,7 @@ class Job:
 
     @property
     def cost(self) -> int:
-        return self.spec.sampling.n
+        return self.spec.cost()
 
 
 @dataclass(eq=False)
@@ -94,7 +94,7 @@ class Scheduler:
         self._tickets = itertools.count(1)
         self.num_queued = 0
         self.defer_dispatch = False
-        self._dispatch_pending = False
+        self.dispatch_pending = False
         self.fleet_version = 0  # the newest weight version committed by a sync round
         self.sync = SyncCoordinator(self)
 
@@ -142,7 +142,7 @@ class Scheduler:
         if accepted:
             self.stats.submitted += len(accepted)
             self.outbox.to_client_many(identity, p.ACCEPTED, accepted)
-        self._dispatch_soon(now)
+        self.dispatch_soon(now)
 
     def _enqueue(self, client: ClientState, job: Job, *, front: bool = False) -> None:
         if not client.queue:
@@ -160,7 +160,7 @@ class Scheduler:
             if self._drop_job(client, jid):
                 self.stats.cancelled += 1
                 self.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "cancelled", "cancelled by the client"))
-        self._dispatch_soon(now)
+        self.dispatch_soon(now)
 
     def _drop_job(self, client: ClientState, jid: str) -> bool:
         """Remove a job wherever it is; abort it on its worker. False if unknown."""
@@ -193,7 +193,7 @@ class Scheduler:
             self._waiting.remove(client)
         self.stats.dropped_client_gone += len(dropped)
         log.info("client %s gone (%s): dropped %d jobs", client.name, reason, len(dropped))
-        self._dispatch_soon(now)  # its credits are free for the others
+        self.dispatch_soon(now)  # its credits are free for the others
 
     # -- workers ---------------------------------------------------------------------------
     def worker_ready(self, identity: WorkerId, info: p.WorkerInfo, now: float) -> None:
@@ -214,7 +214,7 @@ class Scheduler:
         else:
             worker.info, worker.capacity, worker.weight_version = info, info.credits, info.weight_version
         worker.last_seen = now
-        self._dispatch_soon(now)
+        self.dispatch_soon(now)
 
     def worker_seen(self, identity: WorkerId, now: float) -> WorkerState | None:
         """Refresh a worker's liveness; an unknown worker is told to reconnect fresh."""
@@ -230,7 +230,7 @@ class Scheduler:
         worker = self.worker_seen(identity, now)
         if worker is not None:
             worker.capacity = max(0, credits)
-            self._dispatch_soon(now)
+            self.dispatch_soon(now)
 
     def worker_partial(self, identity: WorkerId, deltas: list[p.DeltaRelay], now: float) -> None:
         worker = self.worker_seen(identity, now)
@@ -256,7 +256,7 @@ class Scheduler:
             self.outbox.to_client(job.client, p.FINAL, result)
             self.stats.completed += 1
             self.stats.observe_done(now - job.submitted_at)
-        self._dispatch_soon(now)
+        self.dispatch_soon(now)
 
     def worker_error(self, identity: WorkerId, errors: list[p.ErrorItem], now: float) -> None:
         worker = self.worker_seen(identity, now)
@@ -268,7 +268,7 @@ class Scheduler:
                 continue
             self.outbox.to_client(job.client, p.ERROR, p.ErrorItem(job.spec.job_id, err.code, err.message))
             self.stats.failed += 1
-        self._dispatch_soon(now)
+        self.dispatch_soon(now)
 
     def _finish(self, worker: WorkerState, ticket: object) -> Job | None:
         job = worker.running.pop(ticket, None)  # type: ignore[call-overload]
@@ -310,7 +310,7 @@ class Scheduler:
         self.stats.requeued += requeued
         self.stats.failed += failed
         log.info("worker %s gone (%s): %d jobs requeued, %d failed", worker.info.name, reason, requeued, failed)
-        self._dispatch_soon(now)
+        self.dispatch_soon(now)
 
     # -- time ------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -327,17 +327,17 @@ class Scheduler:
             self.outbox.to_worker(identity, p.HEARTBEAT, None)
 
     # -- dispatch --------------------------------------------------------------------------
-    def _dispatch_soon(self, now: float) -> None:
+    def dispatch_soon(self, now: float) -> None:
         """Dispatch now, or, when the socket loop batches (``defer_dispatch``), once at the
         end of its pass: one heap of workers per pass instead of one per message."""
         if self.defer_dispatch:
-            self._dispatch_pending = True
+            self.dispatch_pending = True
         else:
             self.dispatch(now)
 
     def flush_dispatch(self, now: float) -> None:
-        if self._dispatch_pending:
-            self._dispatch_pending = False
+        if self.dispatch_pending:
+            self.dispatch_pending = False
             self.dispatch(now)
 
     def dispatch(self, now: float) -> None:

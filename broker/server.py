@@ -149,7 +149,7 @@ class Broker:
                     self.scheduler.worker_gone(identity, f"unroutable: {exc.strerror}", now)
                 else:
                     self.scheduler.client_gone(identity, f"unroutable: {exc.strerror}", now)
-        if len(self.scheduler.outbox) or self.scheduler._dispatch_pending:  # a purge above requeued jobs
+        if len(self.scheduler.outbox) or self.scheduler.dispatch_pending:  # a purge above requeued jobs
             self._flush(now)
 
     # -- clients ---------------------------------------------------------------------------

@@ -173,7 +173,7 @@ class SyncCoordinator:
         for w in sched.workers.values():  # members, and any worker that joined during the round
             w.accepting = w.weight_version >= sched.fleet_version
         log.info("sync round %d ended (%s); fleet version %d", rnd.round_id, why, sched.fleet_version)
-        sched._dispatch_soon(now)
+        sched.dispatch_soon(now)
 
     # -- time and loss ---------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -127,8 +127,7 @@ class Worker:
         self.stop(code)
 
     def _engine_dead(self, detail: str) -> None:
-        log.error("worker %s: engine died (%s); exiting with code %d", self.name, detail, EXIT_ENGINE_DEAD)
-        self.stop(EXIT_ENGINE_DEAD)
+        self._fatal(EXIT_ENGINE_DEAD, f"engine died ({detail})")
 
     async def _watch_engine(self) -> None:
         while True:
