@@ -33,3 +33,21 @@ def trained_model(path: str, seed: int) -> Any:
                 x *= 3
             t.copy_(x.to(t.dtype))
     return model
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    """The trainer model's greedy continuation of ``prompt`` (on the model's device)."""
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
+    for _ in range(steps):
+        nxt = model(ids).logits[0, -1].float().argmax()
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer model's logprob of each of ``tokens`` after ``prompt``."""
+    ids = torch.tensor([prompt + tokens], device=next(model.parameters()).device)
+    logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]

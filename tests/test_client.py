@@ -120,6 +120,30 @@ def test_invalid_requests_fail_before_anything_is_sent(start_client: Any, raw_so
     assert fake_broker.poll(200) == 0, "nothing may reach the broker"
 
 
+def test_bad_weight_and_lora_pushes_fail_before_anything_is_sent(start_client: Any, raw_socket: Any) -> None:
+    import torch
+
+    fake_broker = raw_socket(zmq.ROUTER)
+    fake_broker.bind("tcp://127.0.0.1:*")
+    client = start_client(fake_broker.getsockopt_string(zmq.LAST_ENDPOINT))
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 4)}
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    cases = [
+        (lambda: client.update_weights([("w", torch.zeros(2))], transport="rdma"), "transport='rdma'"),
+        (lambda: client.update_weights([("w", torch.zeros(2))], pause="later"), "pause='later'"),
+        (lambda: client.update_weights([]), "no tensors"),
+        (lambda: client.update_lora(adapter, {"target_modules": ["q_proj"]}), "peft_config"),
+        (lambda: client.update_lora({}, config), "no tensors"),
+        (lambda: client.update_lora(adapter, config, name=""), "adapter name"),
+        (lambda: client.update_lora(adapter, config, pause="later"), "pause='later'"),
+        (lambda: client.generate(["hi"], lora=""), "lora must be"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            call()
+    assert fake_broker.poll(200) == 0, "nothing may reach the broker"
+
+
 # -- against a broker ---------------------------------------------------------------------
 def test_generate_returns_rollouts_per_prompt_in_order(start_broker: Any, start_double: Any, start_client: Any) -> None:
     broker = start_broker()

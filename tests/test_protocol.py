@@ -34,7 +34,7 @@ FULL_SAMPLING = p.SamplingParams(
 JOBS = [
     p.JobSpec("job-prompt", FULL_SAMPLING, prompt="2+2=", stream=True, min_weight_version=7),
     p.JobSpec("job-chat", messages=[p.ChatMessage("system", "be brief"), p.ChatMessage("user", "hi")]),
-    p.JobSpec("job-ids", p.SamplingParams(temperature=0.0), prompt_token_ids=[0, 1, 2, 50_000]),
+    p.JobSpec("job-ids", p.SamplingParams(temperature=0.0), prompt_token_ids=[0, 1, 2, 50_000], lora="policy"),
 ]
 SAMPLES = [
     p.Sample(0, [5, 6], [-0.5, -1.25], "stop", top_logprobs=[{5: -0.5, 9: -2.0}, {6: -1.25}]),
@@ -171,11 +171,12 @@ def test_extra_trailing_array_items_are_ignored() -> None:
         None,
         False,
         3,
+        "adapter",
         "future-field",
         99,
     ]
     (job,) = _decode("FROM_CLIENT", _submit_frames(raw)).body
-    assert job == p.JobSpec("j", p.SamplingParams(n=2), prompt="hi", min_weight_version=3)
+    assert job == p.JobSpec("j", p.SamplingParams(n=2), prompt="hi", min_weight_version=3, lora="adapter")
     ready = [p.SIGNATURE, p.READY, msgpack.packb(["w0", "tiny", 8, 1, [], 0, 1, {"future": True}])]
     assert _decode("FROM_WORKER", ready).body == p.WorkerInfo("w0", "tiny", 8, 1)
 
@@ -268,6 +269,8 @@ def test_job_id_of_max_length_is_accepted() -> None:
         ({"prompt_token_ids": []}, "prompt_token_ids must hold"),
         ({"prompt_token_ids": [1, -1]}, "non-negative"),
         ({"prompt": "hi", "min_weight_version": -1}, "min_weight_version=-1"),
+        ({"prompt": "hi", "lora": ""}, "lora must be an adapter name"),
+        ({"prompt": "hi", "lora": "x" * 129}, "lora must be an adapter name"),
     ],
 )
 def test_job_input_contents_are_checked(inputs: dict[str, Any], message: str) -> None:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from model_helpers import trained_model
+from model_helpers import hf_greedy, hf_logprobs, trained_model
 
 from zmq_rollout import RolloutClient, SamplingParams
 from zmq_rollout.config import BrokerConfig
@@ -49,22 +49,6 @@ def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
 def client(cluster: LocalCluster):
     with RolloutClient(cluster.address, timeout=300) as c:
         yield c
-
-
-@torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    for _ in range(steps):
-        nxt = model(ids).logits[0, -1].float().argmax()
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids[0, len(prompt) :].tolist()
-
-
-@torch.no_grad()
-def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + tokens])
-    logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
 
 
 def agreement(client: RolloutClient, model: torch.nn.Module) -> tuple[int, float]:

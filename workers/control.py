@@ -47,6 +47,7 @@ class SyncParticipant:
         self._steps: asyncio.Queue[p.Control] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.dirty = False  # weights partly overwritten and not yet committed
+        self._lora_parts: dict[str, Any] = {}
 
     def submit(self, control: p.Control) -> None:
         if self._task is None or self._task.done():
@@ -83,9 +84,28 @@ class SyncParticipant:
             return {"missing": sorted(have - sent), "unknown": sorted(sent - have)}
         if op == "begin_update":
             self.dirty = True
-            return _total(await engine.rpc("zr_begin_update"))
-        if op == "load_shm":
-            return _total(await engine.rpc("zr_load_shm", args["shm_name"], args["bucket"]))
+            return _total(await engine.rpc("zr_begin_update", bool(args.get("direct", True))))
+        if op in ("load_shm", "load_ipc"):
+            # A bucket; the first may begin the round and the last finish it (one step each saved).
+            flags = {k: bool(args.get(k, d)) for k, d in (("begin", False), ("finish", False), ("direct", True))}
+            self.dirty = self.dirty or flags["begin"]
+            if op == "load_shm":
+                load = engine.rpc("zr_load_shm", args["shm_name"], args["bucket"], **flags)
+            else:
+                load = engine.rpc("zr_load_ipc", args["handle"], args["bucket"], args.get("live"), **flags)
+            if not flags["finish"]:
+                return _total(await load)
+            # The last bucket: reset the prefix cache meanwhile (the engine is paused), so
+            # that commit only has to resume.
+            results, _ = await asyncio.gather(load, engine.clear_prefix_cache())
+            return _total(results)
+        if op == "lora_bucket":  # an adapter's bytes, inline; kept here until load_lora
+            if args.get("first"):
+                self._lora_parts = {}
+            return self._take_lora_bucket(args["bucket"], args["data"])
+        if op == "load_lora":
+            parts, self._lora_parts = self._lora_parts, {}
+            return await engine.load_lora(str(args["name"]), parts, dict(args["peft_config"]))
         if op == "join_group":
             keys = ("host", "port", "world_size", "backend", "timeout_s", "group_name", "rank_offset")
             return _total(await engine.rpc("zr_join_group", rank=None, **{k: args[k] for k in keys}))
@@ -105,6 +125,20 @@ class SyncParticipant:
             await self.resume_or_exit("the sync round was aborted")
             return None
         raise ValueError(f"unknown control op {op!r}")
+
+    def _take_lora_bucket(self, bucket: Any, data: bytes) -> int:
+        import msgspec
+        import torch
+
+        from zmq_rollout.weights import Bucket, unpack
+
+        bucket = msgspec.convert(bucket, Bucket)
+        if len(data) < bucket.nbytes:
+            raise ValueError(f"LoRA bucket {bucket.index} carries {len(data)} bytes, needs {bucket.nbytes}")
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for name, tensor in unpack(bucket, buf):
+            self._lora_parts[name] = tensor.clone()
+        return len(bucket.tensors)
 
     async def resume_or_exit(self, why: str) -> None:
         """Leave a round without committing: resume if the weights are intact, else exit."""

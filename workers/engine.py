@@ -45,6 +45,13 @@ def engine_args(config: WorkerConfig) -> Any:
     }
     if config.attention_backend:
         wanted["attention_backend"] = config.attention_backend
+    if config.enable_lora:
+        wanted.update(
+            enable_lora=True,
+            max_lora_rank=config.max_lora_rank,
+            max_loras=config.max_loras,
+            max_cpu_loras=4 * config.max_loras,  # pushed adapters are not evicted by a few others
+        )
     if _on_cpu():
         # vLLM's CPU runner crashes the whole engine when a *seeded* request's prefill is
         # split into chunks ("CPU Generator does not use offset"). No chunking, and a token
@@ -113,6 +120,9 @@ class Engine:
         self.pause_mode = ""
         self._running = asyncio.Event()
         self._running.set()
+        self._cache_cleared = False
+        self.loras: dict[str, Any] = {}  # adapter name -> the LoRARequest jobs naming it use
+        self._lora_dir: str | None = None
 
     @property
     def errored(self) -> bool:
@@ -133,6 +143,11 @@ class Engine:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         if max(ids) >= self.vocab_size:
             raise InvalidJob(f"prompt token id {max(ids)} is out of range for a vocabulary of {self.vocab_size}")
+        if job.lora is not None and job.lora not in self.loras:
+            raise InvalidJob(
+                f"LoRA adapter {job.lora!r} is not loaded on this worker "
+                + ("(push it with update_lora)" if self.config.enable_lora else "(started without --enable-lora)")
+            )
         if len(ids) + job.sampling.max_tokens > self.max_model_len:
             raise InvalidJob(
                 f"prompt ({len(ids)} tokens) + max_tokens ({job.sampling.max_tokens}) exceeds the model's "
@@ -147,13 +162,27 @@ class Engine:
         self.pause_epoch += 1
         self._running.clear()
         self.pause_mode = mode
+        self._cache_cleared = False
+        pause_scheduler = getattr(getattr(self.llm, "engine_core", None), "pause_scheduler_async", None)
+        if mode == "wait" and pause_scheduler is not None:
+            # Our jobs are drained already (SyncParticipant): nothing can be in flight, so
+            # skip pause_generation's grace sleep for late outputs (20 ms of every sync).
+            await pause_scheduler(mode=mode, clear_cache=True)
+            return
         await self.llm.pause_generation(mode=mode, clear_cache=mode != "keep")  # type: ignore[arg-type]
+
+    async def clear_prefix_cache(self) -> None:
+        """While paused: drop cached KV (computed under the old weights); ``resume`` then
+        skips it. Not in keep mode, whose requests keep their KV by design."""
+        if self.paused and self.pause_mode != "keep":
+            self._cache_cleared = bool(await self.llm.reset_prefix_cache())
 
     async def resume(self) -> None:
         if self._running.is_set():
             return
-        if self.pause_mode != "keep":
+        if self.pause_mode != "keep" and not self._cache_cleared:
             await self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
+        self._cache_cleared = False
         await self.llm.resume_generation()
         self._running.set()
 
@@ -196,5 +225,72 @@ class Engine:
         if request_ids:
             await self.llm.abort(request_ids)
 
+    def lora_request(self, name: str | None) -> Any:
+        return None if name is None else self.loras[name]
+
+    async def load_lora(self, name: str, tensors: dict[str, Any], peft_config: dict[str, Any]) -> int:
+        """Put adapter ``name`` into vLLM's LoRA slot for it, replacing what it held.
+
+        vLLM loads adapters from a folder: the tensors and config are written to this
+        worker's private folder for ``name`` (swapped in whole, so a reload after eviction
+        never reads a half-written one), then ``add_lora`` with ``load_inplace`` replaces the
+        slot's weights (older vLLM: remove, then add). The caller pauses generation first.
+        """
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        if not self.config.enable_lora:
+            raise ValueError("this worker was started without --enable-lora; it cannot load LoRA adapters")
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="zr-lora-")
+        known = self.loras.get(name)
+        lora_id = known.lora_int_id if known is not None else len(self.loras) + 1
+        path = write_adapter(self._lora_dir, name, tensors, peft_config)
+        if "load_inplace" in getattr(LoRARequest, "__struct_fields__", ()):
+            request = LoRARequest(name, lora_id, path, load_inplace=True)
+        else:
+            await self.llm.remove_lora(lora_id)
+            request = LoRARequest(name, lora_id, path)
+        if not await self.llm.add_lora(request):
+            raise RuntimeError(f"vLLM did not load LoRA adapter {name!r}")
+        self.loras[name] = LoRARequest(name, lora_id, path)  # jobs must not reload it every step
+        log.info("LoRA adapter %r loaded (%d tensors, id %d)", name, len(tensors), lora_id)
+        return len(tensors)
+
     def shutdown(self) -> None:
+        import shutil
+
         self.llm.shutdown()
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+
+
+def write_adapter(root: str, name: str, tensors: dict[str, Any], peft_config: dict[str, Any]) -> str:
+    """Write a PEFT adapter folder ``root/<name>`` (safetensors + adapter_config.json) whole:
+    into a fresh folder first, then swapped in by rename. Returns its path."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    import uuid
+
+    from safetensors.torch import save_file
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "adapter"
+    path = os.path.join(root, safe)
+    staging = tempfile.mkdtemp(dir=root, prefix=f".{safe}.")
+    save_file(
+        {k: v.detach().contiguous().clone() for k, v in tensors.items()},
+        os.path.join(staging, "adapter_model.safetensors"),
+    )
+    with open(os.path.join(staging, "adapter_config.json"), "w") as f:
+        json.dump(peft_config, f)
+    if os.path.exists(path):
+        old = os.path.join(root, f".{safe}.old.{uuid.uuid4().hex[:8]}")
+        os.rename(path, old)
+        os.rename(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, path)
+    return path

@@ -6,6 +6,7 @@ msgpack-able values::
 
     zr_begin_update()                      # once per round
     zr_load_shm(name, bucket)              # per bucket: shared memory ...
+    zr_load_ipc(handle, bucket, live)      # ... or a CUDA IPC buffer of the trainer's ...
     zr_receive_bucket(bucket)              # ... or the collective (after zr_join_group)
     zr_finish_update() -> tensors loaded   # once per round; then reset the prefix cache
 
@@ -22,8 +23,10 @@ stay valid. Without that API, weights are loaded directly and ``process_weights_
 runs once at finish.
 
 Buffers: buckets arrive in one receive buffer that is reused (grown only for a larger
-bucket), or in a shared-memory segment mapped only for the call, so memory does not grow
-with the number of rounds. A layer whose weights straddle two buckets still holds views of
+bucket), in a shared-memory segment mapped only for the call, or in one of the trainer's
+CUDA IPC buffers, mapped the first time its id is seen and reused every round after (a
+buffer the trainer no longer names is unmapped), so memory does not grow with the number
+of rounds. A layer whose weights straddle two buckets still holds views of
 the buffer when its bucket returns; those few tensors are cloned before the buffer is
 reused or unmapped.
 """
@@ -36,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from zmq_rollout.weights import Bucket, CollectiveGroup, attach_shm, unpack
+from zmq_rollout.weights import Bucket, CollectiveGroup, CudaIpcCache, CudaIpcHandle, attach_shm, unpack
+from zmq_rollout.workers.direct_load import DirectLoader, qualifies
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +61,13 @@ class _SyncState:
     registry: Any = None
     """vLLM's per-layer reload state, when it is as expected (see ``_pending_registry``)."""
     num_loaded: int = 0
+    ipc: CudaIpcCache | None = None
+    """The trainer's CUDA IPC buffers this worker has mapped, kept across rounds."""
+    direct: DirectLoader | None = None
+    """Name→slice recipes, kept across rounds (``direct_load.py``)."""
+    direct_mode: bool = False
+    """This round loads straight into the parameters (no layerwise reload)."""
+    why_not_direct: str | None = None
 
 
 def _as_bucket(bucket: Any) -> Bucket:
@@ -194,8 +205,10 @@ class WeightSyncExtension:
 
     # -- a round ---------------------------------------------------------------------------
 
-    def zr_begin_update(self) -> None:
-        """Start a round: put the model into layerwise-reload mode (where vLLM has it)."""
+    def zr_begin_update(self, direct: bool = True) -> None:
+        """Start a round: load straight into the parameters where the model qualifies
+        (``direct_load.qualifies``) and ``direct``; else put it into layerwise-reload mode
+        (where vLLM has it)."""
         import torch
 
         state = self._zr()
@@ -205,6 +218,20 @@ class WeightSyncExtension:
             # starts; the transfer that follows overwrites every tensor anyway.
             log.warning("weight sync: a round began before the last one finished; closing it, starting over")
             self.zr_finish_update()
+        model = self._zr_model()
+        why_not = "the trainer turned it off"
+        if direct:
+            why_not = qualifies(model, self._zr_model_config(), self._zr_device())
+        if why_not != state.why_not_direct:
+            log.info("weight sync: %s", f"direct load not used: {why_not}" if why_not else "loading directly")
+            state.why_not_direct = why_not
+        state.direct_mode = not why_not
+        if state.direct_mode:
+            if state.direct is None or state.direct.stale(model):
+                state.direct = DirectLoader(model)
+            state.layerwise, state.registry = False, None
+            state.updating, state.num_loaded = True, 0
+            return
         reload = _reload_api()
         state.layerwise = reload is not None
         state.registry = _pending_registry() if reload is not None else None
@@ -216,13 +243,19 @@ class WeightSyncExtension:
         state.updating = True
         state.num_loaded = 0
 
-    def zr_load_shm(self, shm_name: str, bucket: Any) -> int:
+    def zr_load_shm(
+        self, shm_name: str, bucket: Any, begin: bool = False, finish: bool = False, direct: bool = True
+    ) -> int:
         """Load ``bucket`` from the shared-memory segment ``shm_name``; returns tensors loaded.
 
         The segment is mapped for this call only and never unlinked (the trainer owns it).
         On an accelerator the bucket is first copied to the device in one transfer.
+        ``begin`` / ``finish``: begin the round before (with ``direct``), finish it after,
+        saving the control plane two steps.
         """
         bucket = _as_bucket(bucket)
+        if begin:
+            self.zr_begin_update(direct)
         with attach_shm(shm_name) as shm:
             try:
                 if shm.numel() < bucket.nbytes:
@@ -236,7 +269,55 @@ class WeightSyncExtension:
                     loaded = self._zr_load(bucket, staging)
             finally:
                 del shm  # the last view: now the segment can be unmapped
+        if finish:
+            self.zr_finish_update()
         return loaded
+
+    def zr_load_ipc(
+        self,
+        handle: Any,
+        bucket: Any,
+        live: list[str] | None = None,
+        begin: bool = False,
+        finish: bool = False,
+        direct: bool = True,
+    ) -> int:
+        """Load ``bucket`` from the trainer's CUDA IPC buffer ``handle``; returns tensors loaded.
+
+        The buffer is mapped once and kept; ``live`` (the ids of every buffer the trainer
+        still holds) unmaps the others. Loading reads the trainer's GPU memory directly, and
+        the call returns only once the reads are done, so the trainer may then reuse it.
+        ``begin`` / ``finish`` as for ``zr_load_shm``.
+        """
+        bucket = _as_bucket(bucket)
+        if begin:
+            self.zr_begin_update(direct)
+        handle = handle if isinstance(handle, CudaIpcHandle) else msgspec.convert(handle, CudaIpcHandle)
+        if bucket.nbytes > handle.nbytes:
+            raise ValueError(
+                f"CUDA IPC buffer {handle.buffer_id} has {handle.nbytes} bytes; "
+                f"bucket {bucket.index} needs {bucket.nbytes}"
+            )
+        state = self._zr()
+        if state.ipc is None:
+            state.ipc = CudaIpcCache()
+        keep = [*(live or ()), handle.buffer_id]
+        state.ipc.retain(keep)
+        if state.direct is not None:
+            state.direct.forget(set(keep))
+        buffer = state.ipc.get(handle)
+        loaded = self._zr_load(bucket, buffer[: bucket.nbytes], handle.buffer_id)
+        if finish:
+            self.zr_finish_update()
+        _synchronize(self._zr_device())
+        if buffer.device != self._zr_device():
+            _synchronize(buffer.device)
+        return loaded
+
+    def zr_ipc_mapped(self) -> int:
+        """How many of the trainer's CUDA IPC buffers this worker holds mapped (tests, metrics)."""
+        state = self._zr()
+        return 0 if state.ipc is None else len(state.ipc)
 
     def zr_join_group(
         self,
@@ -311,7 +392,9 @@ class WeightSyncExtension:
             raise RuntimeError("weight sync: zr_finish_update without zr_begin_update")
         model = self._zr_model()
         with torch.no_grad():
-            if state.layerwise:
+            if state.direct_mode:
+                pass  # the model qualified: nothing to process after loading
+            elif state.layerwise:
                 unloaded = _unloaded_layers(state.registry, model) if state.registry is not None else []
                 _reload_api().finalize_layerwise_reload(model, self._zr_model_config())
                 _reprocess_tied(model, unloaded)
@@ -348,13 +431,20 @@ class WeightSyncExtension:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _zr_load(self, bucket: Bucket, buffer: torch.Tensor) -> int:
-        """``load_weights`` the bucket's views of ``buffer``; leave nothing referring to it."""
+    def _zr_load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> int:
+        """``load_weights`` the bucket's views of ``buffer``; leave nothing referring to it
+        (``buffer_key``: except in direct mode, for a buffer that stays mapped under it)."""
         import torch
 
         state = self._zr()
         if not state.updating:
             raise RuntimeError("weight sync: a bucket arrived before zr_begin_update")
+        if state.direct_mode:
+            assert state.direct is not None
+            with torch.no_grad():
+                state.direct.load_bucket(bucket, buffer, buffer_key)
+            state.num_loaded += len(bucket.tensors)
+            return len(bucket.tensors)
         tensors = unpack(bucket, buffer)
         if state.layerwise and state.registry is None:
             tensors = [(name, t.clone()) for name, t in tensors]

@@ -70,7 +70,7 @@ async def run_job(engine: Engine, request_id: str, job: p.JobSpec) -> AsyncItera
         epoch = engine.pause_epoch
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks = [
-            asyncio.ensure_future(_drive(engine, rid, prompt, params, idx, queue, job.stream))
+            asyncio.ensure_future(_drive(engine, rid, prompt, params, idx, queue, job.stream, job.lora))
             for rid, prompt, params, idx in requests
         ]
         try:
@@ -123,12 +123,15 @@ async def _drive(
     index: int | None,
     queue: asyncio.Queue[Any],
     stream: bool,
+    lora: str | None = None,
 ) -> None:
     """Feed one vLLM request's outputs into ``queue`` as (index, tokens, logprobs, top, finish,
     version); version -1 marks tokens whose version split is unknown (see the module doc)."""
     started = engine.weight_version
     try:
-        async for out in engine.llm.generate({"prompt_token_ids": prompt}, vllm_sampling(params, stream=stream), rid):
+        sampling = vllm_sampling(params, stream=stream)
+        lora_request = engine.lora_request(lora)
+        async for out in engine.llm.generate({"prompt_token_ids": prompt}, sampling, rid, lora_request=lora_request):
             version = engine.weight_version if stream else (started if engine.weight_version == started else -1)
             for comp in out.outputs:
                 tokens = list(comp.token_ids)

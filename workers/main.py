@@ -131,4 +131,6 @@ def cli_args(config: WorkerConfig) -> list[str]:
         args += ["--attention-backend", config.attention_backend]
     if config.metrics_port is not None:
         args += ["--metrics-port", str(config.metrics_port)]
+    if config.enable_lora:
+        args += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(config.max_loras)]
     return args

@@ -87,6 +87,9 @@ def worker(
     name: str = typer.Option("", help="Worker name (default host-pid)."),
     seed: int = typer.Option(0),
     metrics_port: Optional[int] = typer.Option(None, help="Port of this worker's /metrics."),  # noqa: UP045
+    enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve LoRA adapters pushed by update_lora."),
+    max_lora_rank: int = typer.Option(WorkerConfig.max_lora_rank, help="Largest adapter rank (8, 16, 32, ...)."),
+    max_loras: int = typer.Option(WorkerConfig.max_loras, help="Adapters one batch may mix."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run a worker around vLLM (one engine per GPU group)."""
@@ -107,6 +110,9 @@ def worker(
         name=name,
         seed=seed,
         metrics_port=metrics_port,
+        enable_lora=enable_lora,
+        max_lora_rank=max_lora_rank,
+        max_loras=max_loras,
     )
     raise typer.Exit(run_worker(config))
 

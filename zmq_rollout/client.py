@@ -66,7 +66,13 @@ class TokenDelta:
 
 
 def make_job(
-    job_id: str, prompt: Prompt, sampling: p.SamplingParams, *, stream: bool = False, min_weight_version: int = 0
+    job_id: str,
+    prompt: Prompt,
+    sampling: p.SamplingParams,
+    *,
+    stream: bool = False,
+    min_weight_version: int = 0,
+    lora: str | None = None,
 ) -> p.JobSpec:
     """Build and validate a job from a prompt string, chat messages or token ids."""
     kwargs: dict[str, Any] = {}
@@ -88,7 +94,7 @@ def make_job(
         )
     try:
         sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
-        return p.JobSpec(job_id, sampling, stream=stream, min_weight_version=min_weight_version, **kwargs)
+        return p.JobSpec(job_id, sampling, stream=stream, min_weight_version=min_weight_version, lora=lora, **kwargs)
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc), job_id=job_id) from None
 
@@ -139,6 +145,8 @@ class AsyncRolloutClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._decoder = codec.Decoder(codec.TO_CLIENT)
+        self.weight_buffers: Any = None
+        """The CUDA IPC buffers of ``update_weights(transport="cuda_ipc")``, kept across rounds."""
 
     async def connect(self) -> AsyncRolloutClient:
         if self._sock is None:
@@ -184,10 +192,15 @@ class AsyncRolloutClient:
         return handles
 
     async def submit(
-        self, prompt: Prompt, sampling: p.SamplingParams | None = None, *, min_weight_version: int = 0
+        self,
+        prompt: Prompt,
+        sampling: p.SamplingParams | None = None,
+        *,
+        min_weight_version: int = 0,
+        lora: str | None = None,
     ) -> list[Rollout]:
         """Run one prompt; returns its ``n`` rollouts. Awaiting it waits for the answer."""
-        return await self.generate([prompt], sampling, min_weight_version=min_weight_version)
+        return await self.generate([prompt], sampling, min_weight_version=min_weight_version, lora=lora)
 
     async def generate(
         self,
@@ -196,15 +209,17 @@ class AsyncRolloutClient:
         *,
         timeout: float | None = -1.0,
         min_weight_version: int = 0,
+        lora: str | None = None,
     ) -> list[Rollout]:
         """Run every prompt; returns ``n`` rollouts per prompt, prompt-major, in input order.
 
         Each item of ``prompts`` is one prompt: a string, a list of token ids, or a list of
-        chat messages. A single string is one prompt.
+        chat messages. A single string is one prompt. ``lora``: sample with that adapter
+        (pushed with ``update_lora``) instead of the base model.
         """
         sampling = sampling or p.SamplingParams()
         items: list[Prompt] = [prompts] if isinstance(prompts, str) else list(prompts)  # type: ignore[arg-type]
-        jobs = [make_job(self._new_id(), item, sampling, min_weight_version=min_weight_version) for item in items]
+        jobs = [make_job(self._new_id(), i, sampling, min_weight_version=min_weight_version, lora=lora) for i in items]
         handles = await self.submit_jobs(jobs)
         results = await self._wait([h.future for h in handles], jobs, timeout)
         out: list[Rollout] = []
@@ -228,12 +243,16 @@ class AsyncRolloutClient:
             raise
 
     async def stream(
-        self, prompt: Prompt, sampling: p.SamplingParams | None = None, *, min_weight_version: int = 0
+        self,
+        prompt: Prompt,
+        sampling: p.SamplingParams | None = None,
+        *,
+        min_weight_version: int = 0,
+        lora: str | None = None,
     ) -> AsyncIterator[TokenDelta | Rollout]:
         """Yield ``TokenDelta``s as tokens arrive, then the job's ``Rollout``s."""
-        job = make_job(
-            self._new_id(), prompt, sampling or p.SamplingParams(), stream=True, min_weight_version=min_weight_version
-        )
+        sampling = sampling or p.SamplingParams()
+        job = make_job(self._new_id(), prompt, sampling, stream=True, min_weight_version=min_weight_version, lora=lora)
         (handle,) = await self.submit_jobs([job], stream=True)
         assert handle.stream is not None
         try:
@@ -292,13 +311,26 @@ class AsyncRolloutClient:
         """Push new policy weights into every worker; returns a ``SyncReport``.
 
         ``source``: an ``nn.Module`` or ``(name, tensor)`` pairs with checkpoint names.
-        Keywords: ``transport`` ("shm" | "gloo" | "nccl"), ``pause`` ("abort" | "wait" |
+        Keywords: ``transport`` ("shm" | "cuda_ipc" | "gloo" | "nccl"), ``pause`` ("abort" | "wait" |
         "keep"), ``version`` (default: the fleet's + 1), ``bucket_bytes``, ``timeout`` (per
         step; a worker that misses it is evicted), ``check_names``, ``master_addr``.
         """
         from zmq_rollout.trainer import update_weights
 
         return await update_weights(self, source, **kwargs)
+
+    async def update_lora(self, tensors: Any, peft_config: Any, **kwargs: Any) -> Any:
+        """Push a LoRA adapter into every worker's vLLM LoRA slot; returns a ``SyncReport``.
+
+        ``tensors``: ``(name, tensor)`` pairs or a dict, PEFT names (e.g. from
+        ``peft.get_peft_model_state_dict``); ``peft_config``: its ``adapter_config.json``
+        as a dict (or a peft ``LoraConfig``). Keywords: ``name`` (the adapter jobs ask for
+        with ``lora=``; default "default"), ``pause``, ``version``, ``timeout``. Workers
+        need ``--enable-lora``.
+        """
+        from zmq_rollout.trainer import update_lora
+
+        return await update_lora(self, tensors, peft_config, **kwargs)
 
     # -- background ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
@@ -364,6 +396,9 @@ class AsyncRolloutClient:
                 handle.future.set_exception(ClientClosedError("the client was closed", job_id=jid))
                 handle.future.exception()  # mark retrieved: nobody may be waiting any more
         self._pending.clear()
+        if self.weight_buffers is not None:
+            self.weight_buffers.close()
+            self.weight_buffers = None
         if self._sock is not None:
             self._sock.close(linger=0)
 
@@ -428,6 +463,10 @@ class RolloutClient:
     def update_weights(self, source: Any, **kwargs: Any) -> Any:
         """See ``AsyncRolloutClient.update_weights``."""
         return self._call(self._async.update_weights(source, **kwargs))
+
+    def update_lora(self, tensors: Any, peft_config: Any, **kwargs: Any) -> Any:
+        """See ``AsyncRolloutClient.update_lora``."""
+        return self._call(self._async.update_lora(tensors, peft_config, **kwargs))
 
     def close(self) -> None:
         if self._thread.is_alive():

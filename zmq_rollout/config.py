@@ -80,3 +80,9 @@ class WorkerConfig:
     """The worker reconnects fresh after ``heartbeat_interval * broker_liveness`` seconds of broker silence."""
     metrics_port: int | None = None
     seed: int = 0
+    enable_lora: bool = False
+    """Serve LoRA adapters pushed with ``update_lora`` (jobs name one in ``lora``)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank (vLLM accepts 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
+    max_loras: int = 1
+    """Adapters one batch may mix; each pushed adapter stays loaded (``max_cpu_loras`` 4 times this)."""

@@ -163,6 +163,8 @@ class JobSpec(Struct):
     prompt_token_ids: list[int] | None = None
     stream: bool = False
     min_weight_version: int = 0
+    lora: str | None = None
+    """The LoRA adapter to sample with (a name given to ``update_lora``); None: the base model."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID):
@@ -178,6 +180,8 @@ class JobSpec(Struct):
             raise ValueError("prompt_token_ids must hold 1..1M non-negative ids")
         if self.min_weight_version:
             _int("min_weight_version", self.min_weight_version, 0, (1 << 63) - 1)
+        if self.lora is not None and not (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME):
+            raise ValueError(f"lora must be an adapter name of 1..{MAX_LORA_NAME} characters")
 
     def cost(self) -> int:
         """Credits this job occupies on a worker: one per sequence."""
@@ -268,9 +272,11 @@ class WorkerInfo(Struct):
         _int("weight_version", self.weight_version, 0, (1 << 63) - 1)
 
 
+MAX_LORA_NAME = 128
+
 SYNC_OPS = frozenset(
-    {"begin", "check_names", "begin_update", "load_shm", "join_group", "receive_bucket", "leave_group", "finish_update",
-     "commit", "abort"}
+    {"begin", "check_names", "begin_update", "load_shm", "load_ipc", "join_group", "receive_bucket", "leave_group",
+     "finish_update", "lora_bucket", "load_lora", "commit", "abort"}
 )  # fmt: skip
 PAUSE_MODES = frozenset({"abort", "wait", "keep"})
 

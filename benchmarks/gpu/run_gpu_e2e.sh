@@ -2,6 +2,7 @@
 # Device driver: install bundle + project, then benchmark, then GPU integration tests.
 # Usage (device tool, carry=[".devbundle"], bundle built per ../shared/gpu/README.md):
 #   bash benchmarks/gpu/run_gpu_e2e.sh [bench|pytest|both] [extra bench args...]
+#   bash benchmarks/gpu/run_gpu_e2e.sh sync [extra weight_sync.py args...]   # CUDA IPC test + weight-sync bench
 set -u
 WHAT=${1:-both}; shift || true
 T0=$(date +%s)
@@ -28,5 +29,16 @@ if [ "$WHAT" = pytest ] || [ "$WHAT" = both ]; then
   echo "=== pytest rc=$? at $(el) s"
   tail -40 $OUT/pytest.log
   tar czf $OUT/pytest_logs.tgz -C /tmp --exclude='*.safetensors' pytest-of-root 2>/dev/null
+fi
+if [ "$WHAT" = sync ]; then
+  echo "=== cuda ipc pytest start at $(el) s"
+  timeout ${SYNC_TEST_LIMIT:-200} python3 -m pytest -x -q -s -p no:cacheprovider ${SYNC_TESTS:-tests/test_cuda_ipc_gpu.py tests/test_lora_sync.py} > $OUT/sync_pytest.log 2>&1
+  echo "=== cuda ipc pytest rc=$? at $(el) s"
+  grep -E "cuda_ipc:|direct load:|adapter|passed|failed|Error|assert" $OUT/sync_pytest.log | tail -20
+  LEFT=$(( ${TOTAL_LIMIT:-585} - $(el) ))
+  echo "=== weight_sync bench start at $(el) s, limit $LEFT s"
+  timeout $LEFT python3 benchmarks/weight_sync.py --json-out $OUT/weight_sync.json --phase-timeout $LEFT "$@" > $OUT/weight_sync.log 2>&1
+  echo "=== weight_sync bench rc=$? at $(el) s"
+  grep -E "^\[weight_sync|^  |^model|Error|Traceback" $OUT/weight_sync.log | grep -v "^  File" | tail -40
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -1,0 +1,255 @@
+"""Loading weights straight into vLLM's parameter storage, through a name→slice map.
+
+vLLM's ``model.load_weights`` maps each checkpoint tensor onto its parameters (q/k/v into
+the fused ``qkv_proj``, gate/up into ``gate_up_proj``, a tensor-parallel shard of each),
+one Python weight-loader call at a time; on top of that, the layerwise reload that makes it
+safe for any model buffers every layer and processes it again. For an unquantized model on
+a GPU, where post-load processing does nothing, all of this comes down to a few copies per
+tensor: this module records them once and replays them after.
+
+``DirectLoader.load`` runs ``load_weights`` for a name it has not seen (or whose dtype or
+shape changed) under a ``TorchFunctionMode`` that records every ``copy_`` from a view of the
+incoming tensor into a view of a parameter (as strided views: offset, sizes, strides). A
+recipe is kept only if that was *all* the loader did to the parameters (``fill_``/``zero_``
+of padding aside, which stays as it is) and every recorded destination then equals its
+source. Afterwards the name loads by replaying its copies. A name whose loader does anything
+else keeps going through ``load_weights`` (still correct here, since the model qualifies).
+
+``qualifies`` says whether a model qualifies: CUDA (on CPU, linear weights are repacked
+after loading), no quantization, every layer's method an unquantized one, no model-level
+post-load hook. Anything else uses layerwise reload (``extension.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DirectLoader", "qualifies"]
+
+
+def qualifies(model: Any, model_config: Any, device: Any) -> str:
+    """Empty if ``model`` can load directly; else why not (for the log)."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return f"device {device} (post-load processing repacks weights off CUDA)"
+    if getattr(model_config, "quantization", None):
+        return f"quantization {model_config.quantization}"
+    if hasattr(model, "process_weights_after_loading"):
+        return "the model has its own post-load hook"
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and not type(method).__name__.startswith("Unquantized"):
+            return f"layer {name} uses {type(method).__name__}"
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            return f"parameter {name} is on the meta device"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Copy:
+    param: str
+    dst: tuple[int, tuple[int, ...], tuple[int, ...]]  # storage offset, sizes, strides (elements)
+    src: tuple[int, tuple[int, ...], tuple[int, ...]]  # offset from the tensor's first element
+
+
+@dataclass
+class _Plan:
+    """One bucket's copies, resolved to tensors: destination and source views, built once
+    for a buffer that stays mapped (a CUDA IPC buffer) and replayed with one foreach copy."""
+
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+    slow: list[tuple[str, torch.Tensor]]  # names that go through load_weights
+
+
+@dataclass
+class _Recipe:
+    key: tuple[str, tuple[int, ...]]  # dtype, shape of the tensor it was recorded with
+    copies: list[_Copy] = field(default_factory=list)
+
+
+class _Recorder:
+    """A ``TorchFunctionMode`` body: records copies from ``source`` into parameters."""
+
+    def __init__(self, source: torch.Tensor, params: dict[int, tuple[str, torch.Tensor]]) -> None:
+        self.source = source
+        self.params = params  # storage data_ptr -> (name, parameter)
+        self.copies: list[_Copy] = []
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.why_not = ""
+
+    def _param_of(self, t: Any) -> tuple[str, torch.Tensor] | None:
+        import torch
+
+        if not isinstance(t, torch.Tensor) or t.device != self.source.device:
+            return None
+        return self.params.get(t.untyped_storage().data_ptr())
+
+    def see(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        import torch
+
+        name = getattr(func, "__name__", "")
+        if name in ("__set__", "__setitem__") and args and self._param_of(args[0]) is not None:
+            self.why_not = self.why_not or f"writes a parameter with {name}"
+            return
+        if not (name.endswith("_") and not name.endswith("__")) or not args:
+            return
+        target = self._param_of(args[0])
+        if target is None:
+            return
+        if name in ("fill_", "zero_"):
+            return  # padding set to a constant: it stays so
+        if name != "copy_":
+            self.why_not = self.why_not or f"writes a parameter with {name}"
+            return
+        dst, src = args[0], args[1] if len(args) > 1 else kwargs.get("src")
+        source = self.source
+        if (
+            not isinstance(src, torch.Tensor)
+            or src.device != source.device
+            or src.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+            or src.dtype != source.dtype
+        ):
+            self.why_not = self.why_not or f"copies a transformed tensor into {target[0]}"
+            return
+        offset = src.storage_offset() - source.storage_offset()
+        if offset < 0 or offset >= max(source.numel(), 1):
+            self.why_not = self.why_not or "copies from outside the tensor"
+            return
+        base = target[1]
+        self.copies.append(
+            _Copy(
+                target[0],
+                (dst.storage_offset() - base.storage_offset(), tuple(dst.shape), tuple(dst.stride())),
+                (int(offset), tuple(src.shape), tuple(src.stride())),
+            )
+        )
+        self.views.append((dst, src))
+
+
+class DirectLoader:
+    """Per model: recipes by checkpoint name; ``load`` replays or records."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.recipes: dict[str, _Recipe | None] = {}  # None: always through load_weights
+        self._params: dict[str, torch.Tensor] = {n: p.data for n, p in model.named_parameters()}
+        self._by_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in self._params.items() if p.numel()}
+        self._plans: dict[tuple[str, Any], _Plan] = {}
+        self.num_replayed = 0
+        self.num_loaded = 0
+
+    def stale(self, model: Any) -> bool:
+        """Whether ``model`` or its parameters' storage changed since the recipes were made."""
+        if model is not self.model:
+            return True
+        now = {n: p.data_ptr() for n, p in model.named_parameters()}
+        return now != {n: p.data_ptr() for n, p in self._params.items()}
+
+    def load_bucket(self, bucket: Any, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
+        """Load a bucket's tensors from ``buffer``; with ``buffer_key`` (a buffer that stays
+        mapped under that name until ``forget``), remember the resolved copies and replay a
+        bucket laid out the same way with a single ``_foreach_copy_``."""
+        from zmq_rollout.weights import unpack
+
+        sig = tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors) if buffer_key else None
+        plan = self._plans.get((buffer_key, sig)) if buffer_key else None
+        if plan is not None:
+            _copy_all(plan.dsts, plan.srcs)
+            if plan.slow:
+                self.model.load_weights(plan.slow)
+            self.num_replayed += len(plan.dsts)
+            return
+        tensors = unpack(bucket, buffer)
+        self.load(tensors)
+        if buffer_key and len(self._plans) < 256:
+            self._plans[(buffer_key, sig)] = self._plan(tensors)
+
+    def forget(self, keep_buffer_keys: set[str]) -> None:
+        """Drop the plans of buffers not in ``keep_buffer_keys`` (they are being unmapped)."""
+        for key in [k for k in self._plans if k[0] not in keep_buffer_keys]:
+            del self._plans[key]
+
+    def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> _Plan:
+        params = self._params
+        plan = _Plan([], [], [])
+        for name, tensor in tensors:
+            recipe = self.recipes.get(name)
+            if recipe is None:
+                plan.slow.append((name, tensor))
+                continue
+            for c in recipe.copies:
+                offset, sizes, strides = c.dst
+                src_offset, src_sizes, src_strides = c.src
+                param = params[c.param]
+                plan.dsts.append(param.as_strided(sizes, strides, param.storage_offset() + offset))
+                plan.srcs.append(tensor.as_strided(src_sizes, src_strides, tensor.storage_offset() + src_offset))
+        return plan
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        slow: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in tensors:
+            key = (str(tensor.dtype), tuple(tensor.shape))
+            if name not in self.recipes:
+                self._record(name, tensor)
+                continue
+            recipe = self.recipes[name]
+            if recipe is None:
+                slow.append((name, tensor))
+            elif recipe.key != key:
+                self._record(name, tensor)
+            else:
+                self._replay(recipe, tensor)
+        if slow:
+            self.model.load_weights(slow)
+            self.num_loaded += len(slow)
+
+    def _replay(self, recipe: _Recipe, tensor: torch.Tensor) -> None:
+        params = self._params
+        for c in recipe.copies:
+            offset, sizes, strides = c.dst
+            src_offset, src_sizes, src_strides = c.src
+            dst = params[c.param].as_strided(sizes, strides, params[c.param].storage_offset() + offset)
+            dst.copy_(tensor.as_strided(src_sizes, src_strides, tensor.storage_offset() + src_offset))
+        self.num_replayed += 1
+
+    def _record(self, name: str, tensor: torch.Tensor) -> None:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        recorder = _Recorder(tensor, self._by_storage)
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                recorder.see(func, tuple(args), kwargs or {})
+                return func(*args, **(kwargs or {}))
+
+        with Mode():
+            self.model.load_weights([(name, tensor)])
+        self.num_loaded += 1
+        why_not = recorder.why_not  # no copies at all is a recipe too: the loader skips the name
+        if not why_not and not all(torch.equal(d, s.to(d.dtype)) for d, s in recorder.views):
+            why_not = "a recorded copy does not reproduce what the loader wrote"
+        if why_not:
+            log.info("weight sync: %s loads through load_weights: %s", name, why_not)
+            self.recipes[name] = None
+        else:
+            self.recipes[name] = _Recipe((str(tensor.dtype), tuple(tensor.shape)), recorder.copies)
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    import torch
+
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None and dsts:
+        foreach_copy(dsts, srcs)
+        return
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s)
