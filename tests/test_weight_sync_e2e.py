@@ -83,6 +83,13 @@ def test_sync_makes_workers_match_the_trainer(client: RolloutClient, model_dir: 
     assert status.fleet_version == report.version
     assert {w.weight_version for w in status.workers} == {report.version}
     assert {r.weight_version for r in client.generate(PROMPTS[:4], GREEDY)} == {report.version}
+    if transport == "shm":  # the segments are kept for the next round, not made anew
+        import os
+
+        names = client._async.shm_buffers.names
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+        client.update_weights(trainer_model, transport="shm", bucket_bytes=200_000)
+        assert client._async.shm_buffers.names == names
 
 
 def test_name_check_fails_early_with_the_mismatches(client: RolloutClient, model_dir: str) -> None:

@@ -14,7 +14,10 @@ Between begin and finish the model is half-loaded (layers wait on the meta devic
 all their weights have arrived), so no forward pass may run then: pause generation first.
 A failed round is repaired by running a whole round again.
 
-How weights land: where vLLM has the layerwise reload API (0.25.1 and 0.32 both do), begin
+How weights land: where the model qualifies (unquantized, on CUDA; ``direct_load.py``),
+straight into the parameters through a name→slice map recorded from ``load_weights`` on
+the first round and replayed after (post-load processing does nothing for such a model).
+Otherwise, where vLLM has the layerwise reload API (0.25.1 and 0.32 both do), begin
 puts every layer into reload mode, ``model.load_weights`` (which maps checkpoint names such
 as q/k/v_proj onto vLLM's fused qkv_proj and shards for TP) buffers each layer's weights
 until the layer is complete, then runs its post-load processing (e.g. the CPU gemm weight

@@ -147,6 +147,8 @@ class AsyncRolloutClient:
         self._decoder = codec.Decoder(codec.TO_CLIENT)
         self.weight_buffers: Any = None
         """The CUDA IPC buffers of ``update_weights(transport="cuda_ipc")``, kept across rounds."""
+        self.shm_buffers: Any = None
+        """The shared-memory segments of ``update_weights(transport="shm")``, kept across rounds."""
 
     async def connect(self) -> AsyncRolloutClient:
         if self._sock is None:
@@ -396,9 +398,10 @@ class AsyncRolloutClient:
                 handle.future.set_exception(ClientClosedError("the client was closed", job_id=jid))
                 handle.future.exception()  # mark retrieved: nobody may be waiting any more
         self._pending.clear()
-        if self.weight_buffers is not None:
-            self.weight_buffers.close()
-            self.weight_buffers = None
+        for buffers in (self.weight_buffers, self.shm_buffers):
+            if buffers is not None:
+                buffers.close()
+        self.weight_buffers = self.shm_buffers = None
         if self._sock is not None:
             self._sock.close(linger=0)
 
