@@ -96,7 +96,7 @@ class Scheduler:
         self.defer_dispatch = False
         self.dispatch_pending = False
         self.fleet_version = 0  # the newest weight version committed by a sync round
-        self.sync = SyncCoordinator(self)
+        self.sync = SyncCoordinator(self, self.config.round_idle_timeout)
 
     # -- clients ---------------------------------------------------------------------------
     def _client(self, identity: ClientId, now: float) -> ClientState:

@@ -142,3 +142,13 @@ def start_client(start_broker: Any) -> Iterator[Callable[..., RolloutClient]]:
     yield start
     for client in reversed(clients):
         client.close()
+
+
+# =========================================================================================
+# Models: a tiny Qwen2 written to disk once per test module (the weight-sync modules).
+# =========================================================================================
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from zmq_rollout.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2"))

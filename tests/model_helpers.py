@@ -6,7 +6,12 @@ from typing import Any
 
 import torch
 
+from zmq_rollout import SamplingParams
 from zmq_rollout.weights import named_tensors
+
+#: Prompts and greedy sampling the weight-sync tests compare workers and trainer on.
+SYNC_PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + i % 5)] for i in range(10)]
+SYNC_GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def trained_model(path: str, seed: int) -> Any:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import hf_greedy, trained_model
+from model_helpers import SYNC_GREEDY, SYNC_PROMPTS, hf_greedy, trained_model
 
 from zmq_rollout import RolloutClient, SamplingParams
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.local import LocalCluster
-from zmq_rollout.tiny_model import make_tiny_model
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,13 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU (run on the device machine)"),
 ]
 
-PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + i % 5)] for i in range(10)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("ipc-model") / "tiny-qwen2"))
+PROMPTS, GREEDY = SYNC_PROMPTS, SYNC_GREEDY
 
 
 @pytest.fixture(scope="module")

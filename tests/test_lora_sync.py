@@ -15,7 +15,6 @@ from zmq_rollout import RolloutClient, SamplingParams
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.errors import RolloutError
 from zmq_rollout.local import LocalCluster
-from zmq_rollout.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +22,6 @@ RANK, ALPHA = 8, 16
 PROMPTS = [[(13 * i + 7 * j) % 250 + 3 for j in range(5 + i % 4)] for i in range(8)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 TARGETS = {"q_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn", "down_proj": "mlp"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("lora-model") / "tiny-qwen2"))
 
 
 @pytest.fixture(scope="module")

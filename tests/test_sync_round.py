@@ -17,8 +17,8 @@ def sent(s: Scheduler) -> list[tuple[bytes, bytes, Any]]:
     return [(ident, cmd, body) for _, ident, cmd, body in s.outbox.drain()]
 
 
-def fleet(*workers: bytes, credits: int = 4, ranks: int = 1) -> Scheduler:
-    s = Scheduler(BrokerConfig())
+def fleet(*workers: bytes, credits: int = 4, ranks: int = 1, **config: object) -> Scheduler:
+    s = Scheduler(BrokerConfig(**config))  # type: ignore[arg-type]
     for w in workers:
         s.worker_ready(w, p.WorkerInfo(w.decode(), "m", credits, num_ranks=ranks), 0.0)
     sent(s)
@@ -156,12 +156,13 @@ def test_trainer_loss_aborts_the_round_and_resumes_workers() -> None:
 
 
 def test_silent_trainer_between_steps_aborts_the_round() -> None:
-    s = fleet(W1)
-    s.sync.round_idle_timeout = 10.0
+    s = fleet(W1, round_idle_timeout=10.0)  # BrokerConfig (and `zmq-rollout broker --round-idle-timeout`)
     s.sync.step(T, p.SyncStep(0, "begin"), 1.0)
     rnd = controls(sent(s))[W1].round_id
     ack(s, W1, rnd, "pause")
     sent(s)
+    s.sync.tick(10.5)
+    assert not sent(s) and s.sync.round is not None  # not idle for 10 s yet
     s.sync.tick(20.0)
     assert controls(sent(s))[W1].op == "resume"
     assert s.sync.round is None

@@ -14,22 +14,15 @@ import time
 
 import pytest
 import torch
-from model_helpers import hf_greedy, hf_logprobs, trained_model
+from model_helpers import SYNC_GREEDY, SYNC_PROMPTS, hf_greedy, hf_logprobs, trained_model
 
 from zmq_rollout import RolloutClient, SamplingParams
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.local import LocalCluster
-from zmq_rollout.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + i % 5)] for i in range(10)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("sync-model") / "tiny-qwen2"))
+PROMPTS, GREEDY = SYNC_PROMPTS, SYNC_GREEDY
 
 
 @pytest.fixture(scope="module")

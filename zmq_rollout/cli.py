@@ -43,6 +43,9 @@ def broker(
     max_queue_total: int = typer.Option(BrokerConfig.max_queue_total, help="Queued jobs in all before BUSY."),
     max_attempts: int = typer.Option(BrokerConfig.max_attempts, help="Workers a job may lose before it fails."),
     max_message_bytes: int = typer.Option(BrokerConfig.max_message_bytes, help="Largest client message accepted."),
+    round_idle_timeout: float = typer.Option(
+        BrokerConfig.round_idle_timeout, help="Seconds a sync round may wait for its trainer's next step."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the broker."""
@@ -63,6 +66,7 @@ def broker(
         max_queue_total=max_queue_total,
         max_attempts=max_attempts,
         max_message_bytes=max_message_bytes,
+        round_idle_timeout=round_idle_timeout,
     )
     b = Broker(config)
     signal.signal(signal.SIGTERM, lambda *_: b.stop())

@@ -28,6 +28,8 @@ class BrokerConfig:
     """A job whose worker dies this many times in a row fails instead of being requeued again."""
     max_message_bytes: int = 64 << 20
     """Larger messages are refused with an error (weight data does not pass through the broker)."""
+    round_idle_timeout: float = 300.0
+    """A weight-sync round whose trainer sends no step for this long is aborted (its workers resume)."""
     metrics_port: int | None = None
     """Port of the Prometheus ``/metrics`` endpoint (None: no endpoint)."""
     metrics_host: str = "0.0.0.0"
