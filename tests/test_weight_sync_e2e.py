@@ -95,6 +95,20 @@ def test_name_check_fails_early_with_the_mismatches(client: RolloutClient, model
     assert status.fleet_version == version and all(w.state == "ready" for w in status.workers)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of cuda_ipc without CUDA")
+def test_cuda_ipc_without_cuda_aborts_the_round_and_leaves_the_fleet_serving(
+    client: RolloutClient, model_dir: str
+) -> None:
+    from zmq_rollout.errors import InvalidRequestError
+
+    version = client.status().fleet_version
+    with pytest.raises(InvalidRequestError, match="needs CUDA"):
+        client.update_weights(trained_model(model_dir, 4), transport="cuda_ipc")
+    status = client.status()
+    assert status.fleet_version == version and all(w.state == "ready" for w in status.workers)
+    assert {r.weight_version for r in client.generate(PROMPTS[:2], GREEDY)} == {version}
+
+
 def _long_jobs(client: RolloutClient, count: int, tokens: int) -> list:
     return [
         client.submit([i + 3, 7, 9], SamplingParams(max_tokens=tokens, seed=100 + i, ignore_eos=True))

@@ -127,20 +127,28 @@ async def update_weights(
         raise InvalidRequestError("update_weights got no tensors to send")
     total = sum(b.nbytes for b in buckets)
 
+    staged: list[Any] = []
+
+    def prepare() -> None:  # runs while the workers pause: the first bucket is packed by then
+        if transport == "shm":
+            staged.append(_prepare_shm(client, buckets, by_name))
+        elif transport == "cuda_ipc":
+            staged.append(_prepare_cuda_ipc(client, buckets, by_name))
+
     async def transfer(rnd: _Round) -> None:
         if check_names:
             reply = await rnd.step("check_names", {"names": list(by_name)})
             _raise_on_mismatch(reply)
         if transport == "shm":  # the first bucket begins the update, the last finishes it
-            await _send_shm(rnd, buckets, by_name, direct_load)
+            await _send_shm(rnd, staged[0], buckets, by_name, direct_load)
         elif transport == "cuda_ipc":
-            await _send_cuda_ipc(rnd, buckets, by_name, direct_load)
+            await _send_cuda_ipc(rnd, staged[0], buckets, by_name, direct_load)
         else:
             await rnd.step("begin_update", {"direct": direct_load})
             await _send_collective(rnd, buckets, by_name, transport, master_addr, direct_load)
             await rnd.step("finish_update")
 
-    rnd, target = await _run_round(client, pause, version, timeout, transfer)
+    rnd, target = await _run_round(client, pause, version, timeout, transfer, prepare)
     seconds = time.monotonic() - started
     return SyncReport(target, transport, seconds, total, len(buckets), rnd.members, rnd.evicted, rnd.step_seconds)
 
@@ -151,12 +159,26 @@ async def _run_round(
     version: int | None,
     timeout: float,
     transfer: Callable[[_Round], Awaitable[None]],
+    prepare: Callable[[], None] | None = None,
 ) -> tuple[_Round, int]:
-    """begin (pause) → ``transfer`` (if any worker takes part) → commit; abort on any failure."""
+    """begin (pause) → ``transfer`` (if any worker takes part) → commit; abort on any failure.
+
+    ``prepare`` runs once the begin request is out, while the workers pause (packing the
+    first bucket then costs the sync nothing)."""
     rnd = _Round(client, timeout)
-    await rnd.step("begin", {"pause": pause})
+    begin = asyncio.ensure_future(rnd.step("begin", {"pause": pause}))
+    failed: BaseException | None = None
+    if prepare is not None:
+        await asyncio.sleep(0)  # let the begin request leave first
+        try:
+            prepare()
+        except BaseException as exc:  # raised below, inside the round, so that it is aborted
+            failed = exc
+    await begin
     target = rnd.fleet_version + 1 if version is None else version
     try:
+        if failed is not None:
+            raise failed
         if rnd.members:
             await transfer(rnd)
         await rnd.step("commit", {"version": target})
@@ -245,20 +267,28 @@ def _edges(i: int, count: int, direct: bool) -> dict[str, bool]:
     return {"begin": i == 0, "finish": i == count - 1, "direct": direct}
 
 
-async def _send_shm(rnd: _Round, buckets: list[Any], by_name: dict[str, Any], direct: bool) -> None:
+def _prepare_shm(client: AsyncRolloutClient, buckets: list[Any], by_name: dict[str, Any]) -> Any:
+    """The client's segments (made or grown as needed), with the first bucket packed."""
     from zmq_rollout import weights as wt
 
     size, count = max(b.nbytes for b in buckets), min(2, len(buckets))
-    shm = rnd.client.shm_buffers
+    shm = client.shm_buffers
     if shm is None or shm.size < size or len(shm.names) < count:
         if shm is not None:
             shm.close()
         # Kept on the client across rounds: a fresh segment costs page faults on every
         # byte packed into it (76 ms for 185 MB on the 2-core CI machine) and an unlink.
-        shm = rnd.client.shm_buffers = None
-        shm = rnd.client.shm_buffers = wt.ShmBuffers(size, n=count)
-    num = len(shm.names)
+        client.shm_buffers = None
+        shm = client.shm_buffers = wt.ShmBuffers(size, n=count)
     wt.pack(buckets[0], by_name, shm.tensor(0))
+    return shm
+
+
+async def _send_shm(rnd: _Round, shm: Any, buckets: list[Any], by_name: dict[str, Any], direct: bool) -> None:
+    """Bucket 0 is packed already (``_prepare_shm``)."""
+    from zmq_rollout import weights as wt
+
+    num = len(shm.names)
     for i, bucket in enumerate(buckets):
         args = {"shm_name": shm.names[i % num], "bucket": bucket, **_edges(i, len(buckets), direct)}
         load = asyncio.ensure_future(rnd.step("load_shm", args))
@@ -281,17 +311,25 @@ def _ipc_buffers(client: AsyncRolloutClient, size: int, device: Any) -> Any:
     return client.weight_buffers
 
 
-async def _send_cuda_ipc(rnd: _Round, buckets: list[Any], by_name: dict[str, Any], direct: bool) -> None:
+def _prepare_cuda_ipc(client: AsyncRolloutClient, buckets: list[Any], by_name: dict[str, Any]) -> Any:
+    """The client's exported GPU buffers (made or grown as needed), with bucket 0 packed."""
     import torch
 
     if not torch.cuda.is_available():
         raise InvalidRequestError("transport='cuda_ipc' needs CUDA in the trainer; use 'shm' on CPU")
     on_gpu = next((t.device for t in by_name.values() if t.is_cuda), None)
     device = on_gpu if on_gpu is not None else torch.device("cuda", torch.cuda.current_device())
-    ipc = _ipc_buffers(rnd.client, max(b.nbytes for b in buckets), device)
-    live = [h.buffer_id for h in ipc.handles]
-    stream = torch.cuda.current_stream(device)
+    ipc = _ipc_buffers(client, max(b.nbytes for b in buckets), device)
     ipc.pack(0, buckets[0], by_name)
+    return ipc
+
+
+async def _send_cuda_ipc(rnd: _Round, ipc: Any, buckets: list[Any], by_name: dict[str, Any], direct: bool) -> None:
+    """Bucket 0 is packed already (``_prepare_cuda_ipc``; maybe still on the GPU's stream)."""
+    import torch
+
+    live = [h.buffer_id for h in ipc.handles]
+    stream = torch.cuda.current_stream(ipc.device)
     for i, bucket in enumerate(buckets):
         stream.synchronize()  # bucket i is in its buffer before any worker reads it
         args = {"handle": ipc.handles[i % 2], "bucket": bucket, "live": live, **_edges(i, len(buckets), direct)}
