@@ -42,8 +42,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from zmq_rollout.weights import Bucket, CollectiveGroup, CudaIpcCache, CudaIpcHandle, attach_shm, unpack
+from zmq_rollout.cuda_ipc import CudaIpcCache, CudaIpcHandle
+from zmq_rollout.weights import Bucket, CollectiveGroup, attach_shm, unpack
 from zmq_rollout.workers.direct_load import DirectLoader, qualifies
+from zmq_rollout.workers.layerwise import (
+    detach_pending,
+    pending_registry,
+    reload_api,
+    reprocess_tied,
+    unloaded_layers,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +70,7 @@ class _SyncState:
     layerwise: bool = False
     """This vLLM has the layerwise reload API."""
     registry: Any = None
-    """vLLM's per-layer reload state, when it is as expected (see ``_pending_registry``)."""
+    """vLLM's per-layer reload state, when it is as expected (see ``layerwise.pending_registry``)."""
     num_loaded: int = 0
     ipc: CudaIpcCache | None = None
     """The trainer's CUDA IPC buffers this worker has mapped, kept across rounds."""
@@ -76,92 +84,6 @@ class _SyncState:
 def _as_bucket(bucket: Any) -> Bucket:
     """A ``Bucket`` from itself or from what msgpack made of it (lists)."""
     return bucket if isinstance(bucket, Bucket) else msgspec.convert(bucket, Bucket)
-
-
-def _reload_api() -> Any:
-    """vLLM's layerwise reload module, or None where this vLLM has none."""
-    try:
-        from vllm.model_executor.model_loader import reload
-    except ImportError:
-        return None
-    return reload if hasattr(reload, "initialize_layerwise_reload") else None
-
-
-def _pending_registry() -> Any:
-    """vLLM's per-layer reload state (``LAYERWISE_INFO``), or None where it is not as expected.
-
-    Internal to vLLM (same shape in 0.25.1 and 0.32): a ``WeakKeyDictionary`` from layer to
-    an info with ``loaded_weights`` (the buffered loader calls), ``load_numel`` and
-    ``can_load()``. Without it, buckets are cloned before loading and tied layers are not
-    re-processed.
-    """
-    try:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
-    except ImportError:
-        return None
-    fields = getattr(LayerReloadingInfo, "__dataclass_fields__", {})
-    if not {"loaded_weights", "load_numel"} <= fields.keys() or not hasattr(LayerReloadingInfo, "can_load"):
-        return None
-    return LAYERWISE_INFO
-
-
-def _detach_pending(registry: Any, buffer: torch.Tensor) -> int:
-    """Clone the tensors that layers still waiting for weights hold as views of ``buffer``."""
-    import torch
-
-    storage = buffer.untyped_storage().data_ptr()
-    cloned = 0
-    for info in list(registry.values()):
-        for _, bound in info.loaded_weights:
-            for key, value in list(bound.arguments.items()):
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.device == buffer.device
-                    and value.untyped_storage().data_ptr() == storage
-                ):
-                    bound.arguments[key] = value.clone()
-                    cloned += 1
-    return cloned
-
-
-def _unloaded_layers(registry: Any, model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Layers still in reload mode that no weight reached: finalize puts their old tensors back."""
-    return [
-        layer
-        for layer in model.modules()
-        if (info := registry.get(layer)) is not None and info.can_load() and info.load_numel <= 0
-    ]
-
-
-def _reprocess_tied(model: torch.nn.Module, unloaded: list[torch.nn.Module]) -> int:
-    """Redo the post-load processing of unloaded layers that share a parameter with a loaded one.
-
-    A tied LM head shares its weight with the embedding, but only the embedding receives
-    weights, so layerwise reload processes only the embedding (vLLM's documented limitation).
-    On CPU the LM head keeps a prepacked *copy* of the weight for its gemm, which would stay
-    stale: the head would score tokens with the old embeddings. Returns layers re-processed.
-    """
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for layer in model.modules():
-        for param in layer._parameters.values():
-            if param is not None:
-                owners.setdefault(id(param), []).append(layer)
-    unloaded_ids = {id(layer) for layer in unloaded}
-    done = 0
-    for layer in unloaded:
-        method = getattr(layer, "quant_method", None)
-        if method is None or not hasattr(method, "process_weights_after_loading"):
-            continue
-        shared = any(
-            any(id(owner) not in unloaded_ids for owner in owners[id(param)])
-            for param in layer._parameters.values()
-            if param is not None
-        )
-        if shared:
-            method.process_weights_after_loading(layer)
-            done += 1
-    return done
 
 
 class WeightSyncExtension:
@@ -235,9 +157,9 @@ class WeightSyncExtension:
             state.layerwise, state.registry = False, None
             state.updating, state.num_loaded = True, 0
             return
-        reload = _reload_api()
+        reload = reload_api()
         state.layerwise = reload is not None
-        state.registry = _pending_registry() if reload is not None else None
+        state.registry = pending_registry() if reload is not None else None
         if reload is not None and state.registry is None:
             log.warning("weight sync: this vLLM's layerwise reload state is unfamiliar; cloning every bucket")
         if reload is not None:
@@ -398,9 +320,9 @@ class WeightSyncExtension:
             if state.direct_mode:
                 pass  # the model qualified: nothing to process after loading
             elif state.layerwise:
-                unloaded = _unloaded_layers(state.registry, model) if state.registry is not None else []
-                _reload_api().finalize_layerwise_reload(model, self._zr_model_config())
-                _reprocess_tied(model, unloaded)
+                unloaded = unloaded_layers(state.registry, model) if state.registry is not None else []
+                reload_api().finalize_layerwise_reload(model, self._zr_model_config())
+                reprocess_tied(model, unloaded)
             else:
                 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
@@ -455,7 +377,7 @@ class WeightSyncExtension:
             self._zr_model().load_weights(tensors)
         del tensors
         if state.registry is not None:
-            _detach_pending(state.registry, buffer)
+            detach_pending(state.registry, buffer)
         state.num_loaded += len(bucket.tensors)
         return len(bucket.tensors)
 

@@ -299,7 +299,7 @@ async def _send_shm(rnd: _Round, shm: Any, buckets: list[Any], by_name: dict[str
 
 def _ipc_buffers(client: AsyncRolloutClient, size: int, device: Any) -> Any:
     """The client's exported GPU buffers, reallocated only when a bucket outgrows them."""
-    from zmq_rollout import weights as wt
+    from zmq_rollout.cuda_ipc import CudaIpcBuffers
 
     held = client.weight_buffers
     if held is not None and held.size >= size and held.device == device:
@@ -307,7 +307,7 @@ def _ipc_buffers(client: AsyncRolloutClient, size: int, device: Any) -> Any:
     if held is not None:
         held.close()  # workers unmap it when the next load names only the new buffers
         client.weight_buffers = None
-    client.weight_buffers = wt.CudaIpcBuffers(size, n=2, device=device)
+    client.weight_buffers = CudaIpcBuffers(size, n=2, device=device)
     return client.weight_buffers
 
 
