@@ -178,20 +178,26 @@ class DirectLoader:
             del self._plans[key]
 
     def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> _Plan:
-        params = self._params
         plan = _Plan([], [], [])
         for name, tensor in tensors:
             recipe = self.recipes.get(name)
             if recipe is None:
                 plan.slow.append((name, tensor))
-                continue
-            for c in recipe.copies:
-                offset, sizes, strides = c.dst
-                src_offset, src_sizes, src_strides = c.src
-                param = params[c.param]
-                plan.dsts.append(param.as_strided(sizes, strides, param.storage_offset() + offset))
-                plan.srcs.append(tensor.as_strided(src_sizes, src_strides, tensor.storage_offset() + src_offset))
+            else:
+                dsts, srcs = self._views(recipe, tensor)
+                plan.dsts += dsts
+                plan.srcs += srcs
         return plan
+
+    def _views(self, recipe: _Recipe, tensor: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The recipe's copies as (destination views of parameters, source views of ``tensor``)."""
+        dsts, srcs = [], []
+        for c in recipe.copies:
+            (offset, sizes, strides), (src_offset, src_sizes, src_strides) = c.dst, c.src
+            param = self._params[c.param]
+            dsts.append(param.as_strided(sizes, strides, param.storage_offset() + offset))
+            srcs.append(tensor.as_strided(src_sizes, src_strides, tensor.storage_offset() + src_offset))
+        return dsts, srcs
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         slow: list[tuple[str, torch.Tensor]] = []
@@ -212,12 +218,8 @@ class DirectLoader:
             self.num_loaded += len(slow)
 
     def _replay(self, recipe: _Recipe, tensor: torch.Tensor) -> None:
-        params = self._params
-        for c in recipe.copies:
-            offset, sizes, strides = c.dst
-            src_offset, src_sizes, src_strides = c.src
-            dst = params[c.param].as_strided(sizes, strides, params[c.param].storage_offset() + offset)
-            dst.copy_(tensor.as_strided(src_sizes, src_strides, tensor.storage_offset() + src_offset))
+        for dst, src in zip(*self._views(recipe, tensor), strict=True):
+            dst.copy_(src)
         self.num_replayed += 1
 
     def _record(self, name: str, tensor: torch.Tensor) -> None:

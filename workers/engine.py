@@ -280,9 +280,9 @@ def write_adapter(root: str, name: str, tensors: dict[str, Any], peft_config: di
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).lstrip(".") or "adapter"
     path = os.path.join(root, safe)
     staging = tempfile.mkdtemp(dir=root, prefix=f".{safe}.")
+    # The tensors must not share memory (save_file refuses that): the worker's own copies do not.
     save_file(
-        {k: v.detach().contiguous().clone() for k, v in tensors.items()},
-        os.path.join(staging, "adapter_model.safetensors"),
+        {k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(staging, "adapter_model.safetensors")
     )
     with open(os.path.join(staging, "adapter_config.json"), "w") as f:
         json.dump(peft_config, f)

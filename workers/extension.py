@@ -239,11 +239,6 @@ class WeightSyncExtension:
             _synchronize(buffer.device)
         return loaded
 
-    def zr_ipc_mapped(self) -> int:
-        """How many of the trainer's CUDA IPC buffers this worker holds mapped (tests, metrics)."""
-        state = self._zr()
-        return 0 if state.ipc is None else len(state.ipc)
-
     def zr_join_group(
         self,
         host: str,

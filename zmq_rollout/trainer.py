@@ -117,8 +117,7 @@ async def update_weights(
 
     if transport not in TRANSPORTS:
         raise InvalidRequestError(f"transport={transport!r}; expected one of {TRANSPORTS}")
-    if pause not in p.PAUSE_MODES:
-        raise InvalidRequestError(f"pause={pause!r}; expected one of {sorted(p.PAUSE_MODES)}")
+    _check_pause(pause)
     started = time.monotonic()
     tensors = wt.named_tensors(source)
     by_name = dict(tensors)
@@ -218,8 +217,7 @@ async def update_lora(
 
     from zmq_rollout import weights as wt
 
-    if pause not in p.PAUSE_MODES:
-        raise InvalidRequestError(f"pause={pause!r}; expected one of {sorted(p.PAUSE_MODES)}")
+    _check_pause(pause)
     if not isinstance(name, str) or not 0 < len(name) <= p.MAX_LORA_NAME:
         raise InvalidRequestError(f"name must be an adapter name of 1..{p.MAX_LORA_NAME} characters")
     started = time.monotonic()
@@ -249,6 +247,11 @@ async def update_lora(
     seconds = time.monotonic() - started
     total = sum(b.nbytes for b in buckets)
     return SyncReport(target, "inline", seconds, total, len(buckets), rnd.members, rnd.evicted, rnd.step_seconds)
+
+
+def _check_pause(pause: str) -> None:
+    if pause not in p.PAUSE_MODES:
+        raise InvalidRequestError(f"pause={pause!r}; expected one of {sorted(p.PAUSE_MODES)}")
 
 
 def _raise_on_mismatch(reply: p.SyncReply) -> None:
