@@ -180,7 +180,8 @@ async def _service_batches(args: argparse.Namespace, address: str) -> tuple[list
     from zmq_rollout.client import AsyncRolloutClient, make_job
 
     rows, outputs = [], {}
-    async with AsyncRolloutClient(address, timeout=args.batch_timeout, batch_size=max(512, args.num_prompts)) as client:
+    batch_size = max(512, args.num_prompts)
+    async with AsyncRolloutClient(address, timeout_s=args.batch_timeout, batch_size=batch_size) as client:
         for label, prompts, seeds, max_tokens in batches(args):
             jobs = [make_job(f"{label}-{i}", ids, sampling(args, seed, max_tokens)) for i, (ids, seed) in
                     enumerate(zip(prompts, seeds, strict=True))]  # fmt: skip
@@ -198,7 +199,8 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
     from zmq_rollout.local import LocalCluster
 
     cfg = worker_config(args)
-    overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "max_model_len": cfg.max_model_len,
+    overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_gib": cfg.kv_cache_gib,
+                 "max_model_len": cfg.max_model_len,
                  "max_num_seqs": cfg.max_num_seqs, "enforce_eager": cfg.enforce_eager,
                  "attention_backend": cfg.attention_backend, "seed": cfg.seed}  # fmt: skip
     log(f"service: LocalCluster(num_workers=1, worker_overrides={overrides})")
@@ -206,7 +208,7 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
     cluster = LocalCluster(args.model, num_workers=1, worker_overrides=overrides, log_dir=args.log_dir)
     started = time.monotonic()
     try:
-        cluster.start(wait=args.start_timeout)
+        cluster.start(wait_s=args.start_timeout)
         startup = time.monotonic() - started
         log(f"service: worker registered in {startup:.1f} s; broker at {cluster.address}")
         rows, outputs = asyncio.run(_service_batches(args, cluster.address))

@@ -166,7 +166,7 @@ def phase_service(args: argparse.Namespace) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16).to(device)
     with LocalCluster(args.model_dir, worker_overrides=overrides, broker_config=config, log_dir=args.work_dir) as c:
         worker_pid = c.workers["worker-0"].pid
-        with RolloutClient(c.address, timeout=600) as client:
+        with RolloutClient(c.address, timeout_s=600) as client:
             plan = [(t, True) for t in args.transports.split(",")]
             if args.also_layerwise:
                 plan.insert(1, (plan[0][0], False))
@@ -174,7 +174,7 @@ def phase_service(args: argparse.Namespace) -> dict[str, Any]:
             for transport, direct in plan:
                 for mb in [float(x) for x in args.bucket_mb.split(",")]:
                     bucket = int(mb * 2**20)
-                    kw = {"transport": transport, "bucket_bytes": bucket, "timeout": 300, "direct_load": direct}
+                    kw = {"transport": transport, "bucket_bytes": bucket, "timeout_s": 300, "direct_load": direct}
                     first = client.update_weights(model, **kw)
                     times, steps = [], {}
                     for _ in range(args.syncs):
@@ -195,7 +195,7 @@ def phase_service(args: argparse.Namespace) -> dict[str, Any]:
                     before = _memory(worker_pid)
                     started = time.monotonic()
                     for _ in range(args.memory_syncs):
-                        client.update_weights(model, transport=transport, bucket_bytes=bucket, timeout=300)
+                        client.update_weights(model, transport=transport, bucket_bytes=bucket, timeout_s=300)
                     wall = time.monotonic() - started
                     after = _memory(worker_pid)
                     results.setdefault("memory", []).append(

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
-from zmq_rollout.weights import pack, plan_buckets, tensor_specs
-from zmq_rollout.workers.extension import WeightSyncExtension, _synchronize
+from zmq_rollout import protocol as p
+from zmq_rollout.weight_sync.buckets import pack, plan_buckets, tensor_specs
+from zmq_rollout.workers.extension import WeightSyncExtension
+from zmq_rollout.workers.receiver import _synchronize
 
 
 def _timed(device: torch.device, fn: Any, reps: int) -> list[float]:
@@ -43,12 +45,12 @@ class LoadProbe(WeightSyncExtension):
         """Load the checkpoint's tensors (HF names) onto the worker's device."""
         from safetensors.torch import load_file
 
-        device = self._zr_device()
+        device = self._zr_receiver().device
         tensors = []
         for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
             tensors.extend((name, t.to(device)) for name, t in load_file(path).items())
         self._probe_tensors = tensors
-        params = [p for p in self._zr_model().parameters() if p.numel() and not p.is_meta]
+        params = [p for p in self._zr_receiver().model.parameters() if p.numel() and not p.is_meta]
         return {
             "checkpoint_tensors": len(tensors),
             "checkpoint_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
@@ -58,30 +60,32 @@ class LoadProbe(WeightSyncExtension):
         }
 
     def probe_load_weights(self, reps: int) -> list[float]:
-        model = self._zr_model()
+        model = self._zr_receiver().model
 
         def run() -> None:
             with torch.no_grad():
                 model.load_weights(list(self._probe_tensors))
 
-        return _timed(self._zr_device(), run, reps)
+        return _timed(self._zr_receiver().device, run, reps)
 
     def probe_round(self, reps: int) -> list[float]:
-        device = self._zr_device()
+        device = self._zr_receiver().device
         by_name = dict(self._probe_tensors)
         (bucket,) = plan_buckets(tensor_specs(self._probe_tensors), 1 << 62)
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         pack(bucket, by_name, buffer)
 
+        receiver, control = self._zr_receiver(), p.Control(0, p.BeginUpdate())
+
         def run() -> None:
-            self.zr_begin_update()
-            self._zr_load(bucket, buffer)
-            self.zr_finish_update()
+            receiver.begin_update(p.BeginUpdate(), control)
+            receiver.load_buffer(bucket, buffer)
+            receiver.finish_update(p.FinishUpdate(), control)
 
         return _timed(device, run, reps)
 
     def probe_param_copy(self, reps: int) -> list[float]:
-        params = [p for p in self._zr_model().parameters() if p.numel() and not p.is_meta]
+        params = [p for p in self._zr_receiver().model.parameters() if p.numel() and not p.is_meta]
         sources = [p.detach().clone() for p in params]
 
         def run() -> None:
@@ -89,15 +93,15 @@ class LoadProbe(WeightSyncExtension):
                 for dst, src in zip(params, sources, strict=True):
                     dst.data.copy_(src)
 
-        return _timed(self._zr_device(), run, reps)
+        return _timed(self._zr_receiver().device, run, reps)
 
     def probe_flat_copy(self, nbytes: int, reps: int) -> list[float]:
-        device = self._zr_device()
+        device = self._zr_receiver().device
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         return _timed(device, lambda: dst.copy_(src), reps)
 
     def probe_release(self) -> None:
         self._probe_tensors = []
-        if self._zr_device().type == "cuda":
+        if self._zr_receiver().device.type == "cuda":
             torch.cuda.empty_cache()

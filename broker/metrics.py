@@ -85,10 +85,10 @@ class SchedulerCollector:
             by_state.add_metric([state], count)
         yield by_state
         yield GaugeMetricFamily(
-            "zmq_rollout_credits", "Credits announced by all workers.", value=sum(w.capacity for w in workers)
+            "zmq_rollout_credits", "Credits announced by all workers.", value=sum(w.credits for w in workers)
         )
         yield GaugeMetricFamily(
-            "zmq_rollout_credits_free", "Credits not in use.", value=sum(max(0, w.free) for w in workers)
+            "zmq_rollout_credits_free", "Credits not in use.", value=sum(max(0, w.credits_free) for w in workers)
         )
         yield GaugeMetricFamily("zmq_rollout_queued_jobs", "Queued jobs across clients.", value=s.num_queued)
 

@@ -39,7 +39,7 @@ class Outbox:
     def to_worker(self, identity: bytes, command: bytes, item: Any) -> None:
         append(self._segments(WORKER, identity), command, item)
 
-    def drain(self) -> list[tuple[int, bytes, bytes, Any]]:
+    def take(self) -> list[tuple[int, bytes, bytes, Any]]:
         """Everything pending as ``(side, identity, command, body)``; in order for each peer,
         workers first (their JOBS start work; a client's ACCEPTED can wait microseconds)."""
         peers, self._peers = self._peers, {}

@@ -2,12 +2,12 @@
 
 A pure class: it takes events (a client submitted, a worker became ready, a result came
 back, time passed) and writes the messages to send into an ``Outbox``. It never touches a
-socket, so every rule here is unit-tested without one (tests/test_scheduler.py).
+socket, so every rule here is unit-tested without one (tests/unit/test_scheduler.py).
 
 Invariants:
 - a job is in exactly one place: its client's ``queue`` or one worker's ``running``;
 - a worker never holds more credits of work than it announced, except that a job larger
-  than a worker's whole capacity may run alone on an idle worker;
+  than all of a worker's credits may run alone on an idle worker;
 - each job gets exactly one FINAL or ERROR to its client: results under a ticket that is
   no longer running on *that* worker (requeued, cancelled, expired) are dropped.
 """
@@ -18,69 +18,16 @@ import heapq
 import itertools
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
 
 from .outbox import Outbox
+from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
 from .stats import BrokerStats
 from .sync import SyncCoordinator
 
 log = logging.getLogger(__name__)
-
-WorkerId = bytes
-ClientId = bytes
-
-
-@dataclass(eq=False)
-class Job:
-    client: ClientId
-    spec: p.JobSpec
-    submitted_at: float
-    ticket: int = 0
-    dispatched_at: float = 0.0
-    attempts: int = 0
-    cancelled: bool = False
-
-    @property
-    def cost(self) -> int:
-        return self.spec.cost()
-
-
-@dataclass(eq=False)
-class ClientState:
-    identity: ClientId
-    name: str
-    last_seen: float
-    queue: deque[Job] = field(default_factory=deque)
-    queued: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, still in ``queue``
-    running: dict[str, tuple[WorkerId, int]] = field(default_factory=dict)  # job_id -> (worker, ticket)
-
-
-@dataclass(eq=False)
-class WorkerState:
-    identity: WorkerId
-    info: p.WorkerInfo
-    last_seen: float
-    capacity: int
-    used: int = 0
-    running: dict[int, Job] = field(default_factory=dict)  # ticket -> Job
-    weight_version: int = 0
-    accepting: bool = True  # False while a weight-sync round holds it
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.used
-
-    def load(self) -> float:
-        return self.used / self.capacity if self.capacity else 1.0
-
-
-def peer_name(identity: bytes) -> str:
-    """A readable name for a peer: its identity if printable (our clients set one), else hex."""
-    text = identity.decode("ascii", "replace")
-    return text if text.isprintable() and "\ufffd" not in text else identity.hex()
 
 
 class Scheduler:
@@ -95,8 +42,12 @@ class Scheduler:
         self.num_queued = 0
         self.defer_dispatch = False
         self.dispatch_pending = False
-        self.fleet_version = 0  # the newest weight version committed by a sync round
-        self.sync = SyncCoordinator(self, self.config.round_idle_timeout)
+        self.sync = SyncCoordinator(self, self.config.round_idle_timeout_s)
+
+    @property
+    def fleet_version(self) -> int:
+        """The newest weight version a sync round has committed."""
+        return self.sync.fleet_version
 
     # -- clients ---------------------------------------------------------------------------
     def _client(self, identity: ClientId, now: float) -> ClientState:
@@ -176,7 +127,7 @@ class Scheduler:
         if worker is not None:
             running = worker.running.pop(where[1], None)
             if running is not None:
-                worker.used -= running.cost
+                worker.credits_used -= running.cost
                 self.outbox.to_worker(worker.identity, p.CANCEL, where[1])
         return True
 
@@ -203,7 +154,7 @@ class Scheduler:
                 identity, info, now, info.credits, weight_version=info.weight_version
             )
             # A late joiner gets no jobs until a round brings it to the fleet's version.
-            worker.accepting = info.weight_version >= self.fleet_version
+            worker.accepting = self.sync.is_current(worker)
             log.info(
                 "worker %s joined: model=%s credits=%d version=%d",
                 info.name,
@@ -212,7 +163,7 @@ class Scheduler:
                 info.weight_version,
             )
         else:
-            worker.info, worker.capacity, worker.weight_version = info, info.credits, info.weight_version
+            worker.info, worker.credits, worker.weight_version = info, info.credits, info.weight_version
         worker.last_seen = now
         self.dispatch_soon(now)
 
@@ -229,7 +180,7 @@ class Scheduler:
     def worker_credit(self, identity: WorkerId, credits: int, now: float) -> None:
         worker = self.worker_seen(identity, now)
         if worker is not None:
-            worker.capacity = max(0, credits)
+            worker.credits = max(0, credits)
             self.dispatch_soon(now)
 
     def worker_partial(self, identity: WorkerId, deltas: list[p.DeltaRelay], now: float) -> None:
@@ -275,7 +226,7 @@ class Scheduler:
         if job is None:
             self.stats.late_replies += 1
             return None
-        worker.used -= job.cost
+        worker.credits_used -= job.cost
         client = self.clients.get(job.client)
         if client is not None:
             client.running.pop(job.spec.job_id, None)
@@ -313,14 +264,22 @@ class Scheduler:
         self.dispatch_soon(now)
 
     # -- time ------------------------------------------------------------------------------
+    def excuse(self, seconds: float) -> None:
+        """The broker itself got no CPU for ``seconds``: what its peers sent meanwhile is not
+        read yet, so that time does not count as their silence."""
+        for worker in self.workers.values():
+            worker.last_seen += seconds
+        for client in self.clients.values():
+            client.last_seen += seconds
+
     def tick(self, now: float) -> None:
         """Expire silent workers and clients; send heartbeats to workers."""
         cfg = self.config
-        for identity in [w for w, s in self.workers.items() if now - s.last_seen > cfg.worker_expiry]:
+        for identity in [w for w, s in self.workers.items() if now - s.last_seen > cfg.worker_expiry_s]:
             self.stats.workers_expired += 1
             self.outbox.to_worker(identity, p.DISCONNECT, None)
             self.worker_gone(identity, "heartbeat expired", now)
-        for identity in [c for c, s in self.clients.items() if now - s.last_seen > cfg.client_expiry]:
+        for identity in [c for c, s in self.clients.items() if now - s.last_seen > cfg.client_expiry_s]:
             self.client_gone(identity, "heartbeat expired", now)
         self.sync.tick(now)
         for identity in self.workers:
@@ -346,7 +305,7 @@ class Scheduler:
         ``min_weight_version``."""
         if not self._waiting:
             return
-        heap = [(w.load(), id(w), w) for w in self.workers.values() if w.accepting and w.free > 0]
+        heap = [(w.load(), id(w), w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
         if not heap:
             return
         heapq.heapify(heap)
@@ -365,7 +324,7 @@ class Scheduler:
             del client.queued[job.spec.job_id]
             self.num_queued -= 1
             self._assign(worker, client, job, now)
-            if worker.free > 0:
+            if worker.credits_free > 0:
                 heapq.heappush(heap, (worker.load(), id(worker), worker))
             if client.queue:
                 waiting.append(client)
@@ -386,7 +345,7 @@ class Scheduler:
         while heap:
             entry = heapq.heappop(heap)
             w = entry[2]
-            fits = job.cost <= w.free or w.used == 0
+            fits = job.cost <= w.credits_free or w.credits_used == 0
             if fits and w.weight_version >= job.spec.min_weight_version:
                 found = w
                 break
@@ -400,7 +359,7 @@ class Scheduler:
         job.attempts += 1
         job.dispatched_at = now
         worker.running[job.ticket] = job
-        worker.used += job.cost
+        worker.credits_used += job.cost
         client.running[job.spec.job_id] = (worker.identity, job.ticket)
         self.stats.observe_queue_wait(now - job.submitted_at)
         self.outbox.to_worker(worker.identity, p.JOBS, p.Assignment(job.ticket, job.spec))
@@ -409,7 +368,7 @@ class Scheduler:
     def worker_state(self, w: WorkerState) -> str:
         if self.sync.holds(w.identity):
             return "syncing"
-        return "ready" if w.weight_version >= self.fleet_version else "stale"
+        return "ready" if self.sync.is_current(w) else "stale"
 
     def status(self, now: float) -> p.StatusReply:
         workers = [
@@ -417,7 +376,7 @@ class Scheduler:
                 w.info.name,
                 self.worker_state(w),
                 w.info.model,
-                w.capacity,
+                w.credits,
                 len(w.running),
                 w.weight_version,
                 round(now - w.last_seen, 3),
@@ -426,4 +385,6 @@ class Scheduler:
         ]
         clients = [p.ClientStatus(c.name, len(c.queued), len(c.running)) for c in self.clients.values()]
         running = sum(len(w.running) for w in self.workers.values())
-        return p.StatusReply(workers, clients, self.num_queued, running, self.fleet_version)
+        st = self.stats
+        totals = p.JobTotals(st.submitted, st.completed, st.failed, st.cancelled, st.requeued)
+        return p.StatusReply(workers, clients, self.num_queued, running, self.fleet_version, totals)

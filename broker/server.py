@@ -67,6 +67,10 @@ class Broker:
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
         self._metrics_server: Any = None
+        if self.config.metrics_port is not None:
+            from .metrics import serve_metrics
+
+            self._metrics_server = serve_metrics(self.scheduler, self.config.metrics_port, self.config.metrics_host)
 
     def _router(self, address: str) -> zmq.Socket[Any]:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -88,28 +92,34 @@ class Broker:
     def backend_address(self) -> str:
         return self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port ``/metrics`` is served on (the one picked, for ``metrics_port=0``), or None."""
+        return None if self._metrics_server is None else int(self._metrics_server.port)
+
     # -- loop ------------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until ``stop()``. Closes the sockets on the way out."""
-        if self.config.metrics_port is not None:
-            from .metrics import serve_metrics
-
-            self._metrics_server = serve_metrics(self.scheduler, self.config.metrics_port, self.config.metrics_host)
+        """Serve until ``stop()``. Closes the sockets (and the metrics endpoint) on the way out."""
         log.info("broker up: frontend %s, backend %s", self.frontend_address, self.backend_address)
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
-        interval = self.config.heartbeat_interval
+        interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
         try:
             while not self._stop.is_set():
                 timeout_ms = max(0.0, min(next_tick - time.monotonic(), 0.1)) * 1000
+                before = time.monotonic()
                 ready = dict(poller.poll(int(timeout_ms)))
                 now = time.monotonic()
+                stalled = now - before - timeout_ms / 1000
+                if stalled > interval + 1:  # this thread got no CPU: peers were not silent
+                    log.warning("broker loop stalled for %.1f s", stalled)
+                    self.scheduler.excuse(stalled)
                 if self.backend in ready:
-                    self._drain(self.backend, self._on_worker, now)
+                    self._read(self.backend, self._on_worker, now)
                 if self.frontend in ready:
-                    self._drain(self.frontend, self._on_client, now)
+                    self._read(self.frontend, self._on_client, now)
                 if now >= next_tick:
                     self.scheduler.tick(now)
                     next_tick = now + interval
@@ -127,7 +137,8 @@ class Broker:
             self._metrics_server.shutdown()
         log.info("broker stopped")
 
-    def _drain(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
+    def _read(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
+        """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``."""
         for _ in range(_READ_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -137,7 +148,7 @@ class Broker:
 
     def _flush(self, now: float) -> None:
         self.scheduler.flush_dispatch(now)
-        for side, identity, command, body in self.scheduler.outbox.drain():
+        for side, identity, command, body in self.scheduler.outbox.take():
             sock = self.frontend if side == CLIENT else self.backend
             try:
                 sock.send_multipart([identity, *codec.encode(command, body)], zmq.NOBLOCK, copy=False)

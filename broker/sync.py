@@ -8,13 +8,17 @@ passes*. A member that misses the deadline is evicted (DISCONNECT, its jobs requ
 rejoins as a fresh worker with the version it holds (or exits and restarts if its weights
 were partly overwritten), and gets no jobs until its version is the fleet's.
 Nothing here can wait forever: every step has a deadline, and a round whose trainer goes
-silent for ``round_idle_timeout`` is aborted and its workers resumed.
+silent for ``round_idle_timeout_s`` is aborted and its workers resumed.
 
 States of a round::
 
-    begin ──> [pause] ──> data steps (begin_update, load_shm | join_group, receive_bucket,
-                                      leave_group, finish_update, check_names) ──> commit ──> done
-                   └──────────────────────────── abort (or trainer lost) ──────────────────┘
+    begin ──> data steps (check_names, begin_update, load_shm | load_ipc | join_group,
+                          receive_bucket, leave_group, finish_update, lora_bucket, load_lora)
+          ──> commit ──> done
+       └───────────── abort (from the trainer, or the trainer lost) ─────────────┘
+
+The coordinator needs four things of the scheduler (``Fleet``): the workers, the outbox,
+the stats, and two events back (a worker is lost, the round ended).
 """
 
 from __future__ import annotations
@@ -22,25 +26,37 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from zmq_rollout import protocol as p
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from .outbox import Outbox
+from .state import WorkerId, WorkerState
+from .stats import BrokerStats
 
 log = logging.getLogger(__name__)
 
-# The worker-side op for each trainer op (others go through unchanged).
-WORKER_OP = {"begin": "pause", "abort": "resume"}
+
+class Fleet(Protocol):
+    """What a round needs of the broker's scheduler."""
+
+    workers: dict[WorkerId, WorkerState]
+    outbox: Outbox
+    stats: BrokerStats
+
+    def worker_gone(self, identity: WorkerId, reason: str, now: float) -> None:
+        """Purge a worker and requeue its jobs."""
+
+    def dispatch_soon(self, now: float) -> None:
+        """Workers may take jobs again."""
 
 
 @dataclass(eq=False)
 class Step:
     op: str
     deadline: float
-    waiting: set[bytes]
-    acks: dict[bytes, p.WorkerAck] = field(default_factory=dict)
+    waiting: set[WorkerId]
+    acks: dict[WorkerId, p.WorkerAck] = field(default_factory=dict)
     evicted: list[p.Evicted] = field(default_factory=list)
 
 
@@ -48,29 +64,35 @@ class Step:
 class Round:
     round_id: int
     client: bytes
-    members: dict[bytes, int]  # worker identity -> its ranks in a collective (its TP size)
-    names: dict[bytes, str]
+    members: dict[WorkerId, int]  # worker identity -> its ranks in a collective (its TP size)
+    names: dict[WorkerId, str]
     last_activity: float
     step: Step | None = None
     lost: list[p.Evicted] = field(default_factory=list)  # members lost between steps, not yet reported
 
 
 class SyncCoordinator:
-    def __init__(self, scheduler: Scheduler, round_idle_timeout: float = 300.0) -> None:
-        self.scheduler = scheduler
-        self.round_idle_timeout = round_idle_timeout
+    def __init__(self, fleet: Fleet, round_idle_timeout_s: float = 300.0) -> None:
+        self.fleet = fleet
+        self.round_idle_timeout_s = round_idle_timeout_s
         self.round: Round | None = None
+        self.fleet_version = 0
+        """The newest weight version a round has committed (0 before the first)."""
         self._ids = itertools.count(1)
         self.num_rounds = 0
         self.num_evicted = 0
 
-    def holds(self, worker: bytes) -> bool:
+    def holds(self, worker: WorkerId) -> bool:
         return self.round is not None and worker in self.round.members
+
+    def is_current(self, worker: WorkerState) -> bool:
+        """Whether ``worker`` holds the fleet's weights (else it is stale: no jobs)."""
+        return worker.weight_version >= self.fleet_version
 
     # -- trainer ---------------------------------------------------------------------------
     def step(self, client: bytes, msg: p.SyncStep, now: float) -> None:
         rnd = self.round
-        if msg.op == "begin":
+        if isinstance(msg.op, p.Begin):
             if rnd is not None:
                 self._refuse(client, msg, f"sync round {rnd.round_id} is still running; one round at a time")
                 return
@@ -85,51 +107,46 @@ class SyncCoordinator:
         self._send_step(rnd, msg, now)
 
     def _refuse(self, client: bytes, msg: p.SyncStep, error: str) -> None:
-        reply = p.SyncReply(msg.round_id, msg.op, [], [], self.scheduler.fleet_version, error)
-        self.scheduler.outbox.to_client(client, p.SYNC_REPLY, reply)
+        reply = p.SyncReply(msg.round_id, msg.op.kind, [], [], self.fleet_version, error)
+        self.fleet.outbox.to_client(client, p.SYNC_REPLY, reply)
 
     def _begin(self, client: bytes, msg: p.SyncStep, now: float) -> None:
-        mode = msg.args.get("pause", "wait")
-        if mode not in p.PAUSE_MODES:
-            self._refuse(client, msg, f"pause={mode!r}; expected one of {sorted(p.PAUSE_MODES)}")
-            return
-        workers = self.scheduler.workers
+        workers = self.fleet.workers
         members = {}
         for identity, w in workers.items():
             members[identity] = max(1, w.info.num_ranks)
             w.accepting = False  # no new jobs until the round ends for it
         rnd = self.round = Round(next(self._ids), client, members, {i: workers[i].info.name for i in members}, now)
-        log.info("sync round %d begins: %d workers, pause=%s", rnd.round_id, len(members), mode)
+        assert isinstance(msg.op, p.Begin)
+        log.info("sync round %d begins: %d workers, pause=%s", rnd.round_id, len(members), msg.op.pause)
         self._send_step(rnd, msg, now)
 
     def _send_step(self, rnd: Round, msg: p.SyncStep, now: float) -> None:
         rnd.last_activity = now
-        rnd.step = Step(msg.op, now + msg.timeout, set(rnd.members))
-        op = WORKER_OP.get(msg.op, msg.op)
+        rnd.step = Step(msg.op.kind, now + msg.timeout_s, set(rnd.members))
         # Ranks are laid out over the members still in the round: trainer 0, then each worker's.
         world, offset = 1 + sum(rnd.members.values()), 1
         for identity, ranks in rnd.members.items():
-            args = {**msg.args, "rank_offset": offset, "world_size": world}
-            self.scheduler.outbox.to_worker(identity, p.CONTROL, p.Control(rnd.round_id, op, args))
+            self.fleet.outbox.to_worker(identity, p.CONTROL, p.Control(rnd.round_id, msg.op, offset, world))
             offset += ranks
         self._maybe_done(rnd, now)
 
     # -- workers ---------------------------------------------------------------------------
-    def ack(self, worker: bytes, ack: p.ControlAck, now: float) -> None:
+    def ack(self, worker: WorkerId, ack: p.ControlAck, now: float) -> None:
         rnd = self.round
         if rnd is None or ack.round_id != rnd.round_id or rnd.step is None or worker not in rnd.step.waiting:
-            self.scheduler.stats.late_replies += 1
+            self.fleet.stats.late_replies += 1
             return
         step = rnd.step
         step.waiting.discard(worker)
         step.acks[worker] = p.WorkerAck(rnd.names[worker], ack.ok, ack.result, ack.message)
         if ack.ok and step.op == "commit":
-            w = self.scheduler.workers.get(worker)
+            w = self.fleet.workers.get(worker)
             if w is not None:
                 w.weight_version = ack.weight_version
         self._maybe_done(rnd, now)
 
-    def forget(self, worker: bytes, reason: str, now: float) -> None:
+    def forget(self, worker: WorkerId, reason: str, now: float) -> None:
         """A member left (expired, evicted, disconnected): the round goes on without it."""
         rnd = self.round
         if rnd is None or worker not in rnd.members:
@@ -149,31 +166,30 @@ class SyncCoordinator:
             return
         rnd.step = None
         rnd.last_activity = now
-        sched = self.scheduler
+        workers = self.fleet.workers
         if step.op == "begin":  # a worker that could not pause takes no part in the round
             for identity in [i for i in rnd.members if i in step.acks and not step.acks[i].ok]:
                 del rnd.members[identity]
-                w = sched.workers.get(identity)
+                w = workers.get(identity)
                 if w is not None:
-                    w.accepting = w.weight_version >= sched.fleet_version
+                    w.accepting = self.is_current(w)
         if rnd.lost:
             step.evicted[:0], rnd.lost = rnd.lost, []
         if step.op == "commit":
-            versions = [a.result for a in step.acks.values() if a.ok and isinstance(a.result, int)]
-            sched.fleet_version = max([sched.fleet_version, *versions])
-        reply = p.SyncReply(rnd.round_id, step.op, list(step.acks.values()), step.evicted, sched.fleet_version)
-        sched.outbox.to_client(rnd.client, p.SYNC_REPLY, reply)
+            versions = [a.result for a in step.acks.values() if a.ok and type(a.result) is int]
+            self.fleet_version = max([self.fleet_version, *versions])
+        reply = p.SyncReply(rnd.round_id, step.op, list(step.acks.values()), step.evicted, self.fleet_version)
+        self.fleet.outbox.to_client(rnd.client, p.SYNC_REPLY, reply)
         if step.op in ("commit", "abort"):
             self._end(rnd, now, f"{step.op} done")
 
     def _end(self, rnd: Round, now: float, why: str) -> None:
         self.round = None
         self.num_rounds += 1
-        sched = self.scheduler
-        for w in sched.workers.values():  # members, and any worker that joined during the round
-            w.accepting = w.weight_version >= sched.fleet_version
-        log.info("sync round %d ended (%s); fleet version %d", rnd.round_id, why, sched.fleet_version)
-        sched.dispatch_soon(now)
+        for w in self.fleet.workers.values():  # members, and any worker that joined during the round
+            w.accepting = self.is_current(w)
+        log.info("sync round %d ended (%s); fleet version %d", rnd.round_id, why, self.fleet_version)
+        self.fleet.dispatch_soon(now)
 
     # -- time and loss ---------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -182,17 +198,16 @@ class SyncCoordinator:
             return
         step = rnd.step
         if step is not None and now > step.deadline:
-            late = list(step.waiting)
-            for identity in late:
+            for identity in list(step.waiting):
                 self.evict(identity, f"no answer to {step.op!r} within its timeout", now)
-        elif step is None and now - rnd.last_activity > self.round_idle_timeout:
-            self.abort(rnd, now, f"trainer silent for {self.round_idle_timeout} s (round_idle_timeout)")
+        elif step is None and now - rnd.last_activity > self.round_idle_timeout_s:
+            self.abort(rnd, now, f"trainer silent for {self.round_idle_timeout_s} s (round_idle_timeout_s)")
 
-    def evict(self, worker: bytes, reason: str, now: float) -> None:
+    def evict(self, worker: WorkerId, reason: str, now: float) -> None:
         self.num_evicted += 1
         log.warning("evicting worker %r from the sync round: %s", worker, reason)
-        self.scheduler.outbox.to_worker(worker, p.DISCONNECT, None)
-        self.scheduler.worker_gone(worker, f"evicted: {reason}", now)
+        self.fleet.outbox.to_worker(worker, p.DISCONNECT, None)
+        self.fleet.worker_gone(worker, f"evicted: {reason}", now)
 
     def client_gone(self, client: bytes, now: float) -> None:
         rnd = self.round
@@ -200,7 +215,7 @@ class SyncCoordinator:
             self.abort(rnd, now, "trainer disconnected")
 
     def abort(self, rnd: Round, now: float, why: str) -> None:
-        """Resume every member with the weights it has; no reply (the trainer is gone)."""
+        """Tell every member to abort (resume with the weights it has); no reply (the trainer is gone)."""
         for identity in rnd.members:
-            self.scheduler.outbox.to_worker(identity, p.CONTROL, p.Control(rnd.round_id, "resume", {}))
+            self.fleet.outbox.to_worker(identity, p.CONTROL, p.Control(rnd.round_id, p.Abort()))
         self._end(rnd, now, f"aborted: {why}")

@@ -61,7 +61,7 @@ def bf16_tensors(model: Any) -> list[tuple[str, Any]]:
     """What the workers load: every tensor once (tied weights under the first name), bf16."""
     import torch
 
-    from zmq_rollout.weights import named_tensors
+    from zmq_rollout.weight_sync.buckets import named_tensors
 
     return [(name, t.detach().to(torch.bfloat16)) for name, t in named_tensors(model)]
 
@@ -160,7 +160,7 @@ def train(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
         startup = time.monotonic() - started
         print(f"[grpo] ready after {startup:.1f} s; {args.steps} steps of {len(PROMPTS)} prompts x G={args.group_size}")
         steps: list[dict[str, Any]] = []
-        with RolloutClient(cluster.address, timeout=300) as client:
+        with RolloutClient(cluster.address, timeout_s=300) as client:
             version = client.status().fleet_version
             for step in range(args.steps):
                 t0 = time.monotonic()

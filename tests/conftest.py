@@ -1,47 +1,73 @@
-"""Shared pytest fixtures, one section per concern."""
+"""Fixtures every tier shares, and the tiers themselves.
+
+Tiers are folders: ``unit`` (no vLLM engine, no sleeps; the edit loop, ``scripts/test.sh
+--fast``), ``integration`` (real vLLM CPU workers, a real Prometheus, the wheel), ``gpu``
+(a CUDA GPU; run through the device tool, ``benchmarks/gpu/run_gpu_e2e.sh``). Each test is
+marked with its tier, so ``-m`` selects across folders.
+"""
 
 from __future__ import annotations
 
-import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
+from helpers import poll_until, scrape
 
-from zmq_rollout.broker.scheduler import Scheduler
+from zmq_rollout import codec
+from zmq_rollout import protocol as p
+from zmq_rollout.blocking import RolloutClient
 from zmq_rollout.broker.server import BrokerThread
-from zmq_rollout.broker.stats import BrokerStats
-from zmq_rollout.client import RolloutClient
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.testing import EchoWorkerDouble
 
-# =========================================================================================
-# Broker / client fixtures: loopback brokers, echo worker doubles, blocking clients.
-# Every fixture here is a factory that keeps a handle to what it started and stops exactly
-# those at teardown (clients, then doubles, then brokers).
-# =========================================================================================
-
-LOOPBACK = "tcp://127.0.0.1:*"
+TIERS = ("unit", "integration", "gpu")
 
 
-def poll_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    cuda = None
+    for item in items:
+        tier = Path(item.fspath).relative_to(here).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in one of the tier folders {TIERS}")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "gpu":
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: the GPU tier runs on the device machine"))
 
 
 @pytest.fixture
 def wait_until() -> Callable[..., Any]:
     """``wait_until(predicate, timeout=5.0, what="...")``: poll with a deadline."""
     return poll_until
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny random-weight Qwen2 (``zmq-rollout make-tiny-model``), written once per session."""
+    from zmq_rollout.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2"))
+
+
+# =========================================================================================
+# Loopback brokers, echo worker doubles, blocking clients. Every fixture here is a factory
+# that keeps a handle to what it started and stops exactly those at teardown (clients, then
+# doubles, then brokers). Tests observe a running broker only as a user can, from outside
+# its thread: STATUS over the wire and its /metrics.
+# =========================================================================================
+
+LOOPBACK = "tcp://127.0.0.1:*"
+_to_client = codec.Decoder(codec.TO_CLIENT)
 
 
 @dataclass
@@ -51,17 +77,40 @@ class RunningBroker:
     thread: BrokerThread
     frontend: str
     backend: str
+    metrics_port: int
 
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.thread.broker.scheduler
+    def status(self) -> p.StatusReply:
+        """STATUS over a fresh DEALER, as any client asks."""
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"status-probe-{uuid.uuid4().hex[:8]}".encode())
+        try:
+            sock.connect(self.frontend)
+            sock.send_multipart(codec.encode(p.STATUS))
+            while sock.poll(5000):
+                msg = _to_client.decode(sock.recv_multipart())
+                if msg.command == p.STATUS_REPLY:
+                    sock.send_multipart(codec.encode(p.DISCONNECT))  # leave no client record behind
+                    return msg.body  # type: ignore[no-any-return]
+            pytest.fail("the broker did not answer STATUS within 5 s")
+        finally:
+            sock.close(linger=1000)
 
-    @property
-    def stats(self) -> BrokerStats:
-        return self.thread.broker.scheduler.stats
+    def metrics(self) -> dict[str, float]:
+        """Its ``/metrics`` samples (``helpers.scrape``)."""
+        return scrape(self.metrics_port)
+
+    def jobs(self, outcome: str) -> int:
+        """``zmq_rollout_jobs_total{outcome}``."""
+        return int(self.metrics().get(f"zmq_rollout_jobs_total{{outcome={outcome}}}", 0))
+
+    def malformed(self) -> dict[str, int]:
+        """``zmq_rollout_malformed_messages_total`` by reason."""
+        prefix = "zmq_rollout_malformed_messages_total{reason="
+        return {k[len(prefix) : -1]: int(v) for k, v in self.metrics().items() if k.startswith(prefix)}
 
     def has_worker(self, name: str) -> bool:
-        return any(w.info.name == name for w in list(self.scheduler.workers.values()))
+        return any(w.name == name for w in self.status().workers)
 
 
 @pytest.fixture
@@ -77,13 +126,16 @@ def start_broker() -> Iterator[Callable[..., RunningBroker]]:
         settings: dict[str, Any] = {
             "frontend": LOOPBACK,
             "backend": LOOPBACK,
-            "heartbeat_interval": 0.1,
+            "heartbeat_interval_s": 0.1,
             "worker_liveness": 10,
+            "metrics_port": 0,
+            "metrics_host": "127.0.0.1",
         }
         settings.update(overrides)
         thread = BrokerThread(BrokerConfig(**settings))
         # Read the endpoints before the loop thread owns the sockets (they are not thread-safe).
-        running = RunningBroker(thread, thread.broker.frontend_address, thread.broker.backend_address)
+        broker = thread.broker
+        running = RunningBroker(thread, broker.frontend_address, broker.backend_address, broker.metrics_port or 0)
         thread.__enter__()
         started.append(thread)
         return running
@@ -142,13 +194,3 @@ def start_client(start_broker: Any) -> Iterator[Callable[..., RolloutClient]]:
     yield start
     for client in reversed(clients):
         client.close()
-
-
-# =========================================================================================
-# Models: a tiny Qwen2 written to disk once per test module (the weight-sync modules).
-# =========================================================================================
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from zmq_rollout.tiny_model import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-qwen2"))

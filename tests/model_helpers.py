@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from zmq_rollout import SamplingParams
-from zmq_rollout.weights import named_tensors
+from zmq_rollout.weight_sync.buckets import named_tensors
 
 #: Prompts and greedy sampling the weight-sync tests compare workers and trainer on.
 SYNC_PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + i % 5)] for i in range(10)]

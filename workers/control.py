@@ -1,8 +1,10 @@
 """The worker's half of a weight-sync round: CONTROL steps in, CONTROL_ACKs out.
 
 Steps run one at a time, in order, on their own task, so heartbeats and token streams go on
-while a step waits on the engine. Each maps to the engine (pause, resume) or to the
-``WeightSyncExtension`` inside vLLM's worker processes (``zr_*`` through collective_rpc).
+while a step waits on the engine. ``SyncParticipant.handlers`` maps each step type to what
+the worker does: pause or resume the engine, compare names, keep a LoRA bucket, or forward a
+data step into vLLM's worker processes (``Engine.sync_in_engine``, handled there by
+``receiver.Receiver``).
 
 A worker whose weights were partly overwritten by a round that then failed cannot say
 which weights it holds; it exits with ``EXIT_WEIGHTS_DIRTY`` so that its supervisor
@@ -16,7 +18,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
+
 from zmq_rollout import protocol as p
+from zmq_rollout.weight_sync.buckets import unpack
 
 from .engine import Engine
 
@@ -24,12 +29,30 @@ log = logging.getLogger(__name__)
 
 EXIT_WEIGHTS_DIRTY = 4
 
+Handler = Callable[[Any, p.Control], Awaitable[p.AckResult]]
 
-def _total(results: list[Any]) -> Any:
-    """Sum the per-rank results of a collective_rpc (counts), or pass a single one through."""
-    if all(isinstance(r, int) for r in results):
+
+def refusal(header: bytes, error: str, weight_version: int) -> p.ControlAck | None:
+    """The answer to a CONTROL that does not decode (say, a step newer than this worker):
+    ``ok: false`` with the reason, so the round goes on without waiting for a deadline.
+    None if not even the round can be read."""
+    try:
+        raw = msgspec.msgpack.decode(header)
+    except msgspec.DecodeError:
+        return None
+    if not (isinstance(raw, list) and raw and type(raw[0]) is int):
+        return None
+    op = raw[1][0] if len(raw) > 1 and isinstance(raw[1], list) and raw[1] and isinstance(raw[1][0], str) else "?"
+    return p.ControlAck(raw[0], op, False, weight_version, f"ProtocolError: {error}")
+
+
+def total(results: list[Any]) -> p.AckResult:
+    """One answer from the per-rank results of a call into the engine: counts add up."""
+    if results and all(type(r) is int for r in results):
         return sum(results)
-    return results[0] if len(results) == 1 else results
+    if all(r is None for r in results):
+        return None
+    raise ValueError(f"the engine's ranks answered {results!r}")
 
 
 class SyncParticipant:
@@ -46,8 +69,24 @@ class SyncParticipant:
         self._fatal = fatal
         self._steps: asyncio.Queue[p.Control] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        self.dirty = False  # weights partly overwritten and not yet committed
+        self.dirty = False
+        """Weights partly overwritten and not yet committed."""
         self._lora_parts: dict[str, Any] = {}
+        self.handlers: dict[type[p.SyncOp], Handler] = {
+            p.Begin: self.begin,
+            p.CheckNames: self.check_names,
+            p.BeginUpdate: self.in_engine,
+            p.LoadShm: self.load,
+            p.LoadIpc: self.load,
+            p.JoinGroup: self.in_engine,
+            p.ReceiveBucket: self.in_engine,
+            p.LeaveGroup: self.in_engine,
+            p.FinishUpdate: self.in_engine,
+            p.LoraBucket: self.lora_bucket,
+            p.LoadLora: self.load_lora,
+            p.Commit: self.commit,
+            p.Abort: self.abort,
+        }
 
     def submit(self, control: p.Control) -> None:
         if self._task is None or self._task.done():
@@ -57,89 +96,72 @@ class SyncParticipant:
     async def _loop(self) -> None:
         while True:
             control = await self._steps.get()
+            op = control.op
             try:
-                result = await self._run(control.op, control.args)
-                ack = p.ControlAck(control.round_id, control.op, True, self.engine.weight_version, "", result)
+                result = await self.handlers[type(op)](op, control)
+                ack = p.ControlAck(control.round_id, op.kind, True, self.engine.weight_version, "", result)
             except Exception as exc:
-                log.exception("sync step %s failed", control.op)
-                ack = p.ControlAck(
-                    control.round_id, control.op, False, self.engine.weight_version, f"{type(exc).__name__}: {exc}"
-                )
+                log.exception("sync step %s failed", op.kind)
+                message = f"{type(exc).__name__}: {exc}"
+                ack = p.ControlAck(control.round_id, op.kind, False, self.engine.weight_version, message)
             self._send_ack(ack)
 
-    async def _run(self, op: str, args: dict[str, Any]) -> Any:
-        engine = self.engine
-        if op == "pause":
-            mode = str(args.get("pause", "wait"))
-            if mode == "wait":
-                # Drain our own jobs first (the broker sends no new ones during a round):
-                # every job in flight finishes on the old weights, whatever vLLM's own
-                # "wait" counts as in flight.
-                await self._drain()
-            await engine.pause(mode)
-            return engine.config.tensor_parallel_size  # ranks this worker brings to a collective
-        if op == "check_names":
-            have = engine.checkpoint_names()
-            sent = set(args.get("names", []))
-            return {"missing": sorted(have - sent), "unknown": sorted(sent - have)}
-        if op == "begin_update":
-            self.dirty = True
-            return _total(await engine.rpc("zr_begin_update", bool(args.get("direct", True))))
-        if op in ("load_shm", "load_ipc"):
-            # A bucket; the first may begin the round and the last finish it (one step each saved).
-            flags = {k: bool(args.get(k, d)) for k, d in (("begin", False), ("finish", False), ("direct", True))}
-            self.dirty = self.dirty or flags["begin"]
-            if op == "load_shm":
-                load = engine.rpc("zr_load_shm", args["shm_name"], args["bucket"], **flags)
-            else:
-                load = engine.rpc("zr_load_ipc", args["handle"], args["bucket"], args.get("live"), **flags)
-            if not flags["finish"]:
-                return _total(await load)
-            # The last bucket: reset the prefix cache meanwhile (the engine is paused), so
-            # that commit only has to resume.
-            results, _ = await asyncio.gather(load, engine.clear_prefix_cache())
-            return _total(results)
-        if op == "lora_bucket":  # an adapter's bytes, inline; kept here until load_lora
-            if args.get("first"):
-                self._lora_parts = {}
-            return self._take_lora_bucket(args["bucket"], args["data"])
-        if op == "load_lora":
-            parts, self._lora_parts = self._lora_parts, {}
-            return await engine.load_lora(str(args["name"]), parts, dict(args["peft_config"]))
-        if op == "join_group":
-            keys = ("host", "port", "world_size", "backend", "timeout_s", "group_name", "rank_offset")
-            return _total(await engine.rpc("zr_join_group", rank=None, **{k: args[k] for k in keys}))
-        if op == "receive_bucket":
-            return _total(await engine.rpc("zr_receive_bucket", args["bucket"]))
-        if op == "leave_group":
-            return _total(await engine.rpc("zr_leave_group"))
-        if op == "finish_update":
-            return _total(await engine.rpc("zr_finish_update"))
-        if op == "commit":
-            engine.weight_version = int(args["version"])
-            self.dirty = False
-            await engine.resume()
-            log.info("weights at version %d", engine.weight_version)
-            return engine.weight_version
-        if op == "resume":
-            await self.resume_or_exit("the sync round was aborted")
-            return None
-        raise ValueError(f"unknown control op {op!r}")
+    # -- the steps -------------------------------------------------------------------------
+    async def begin(self, op: p.Begin, control: p.Control) -> int:
+        """Pause generating; answers with the ranks this worker brings to a collective."""
+        if op.pause == "wait":
+            # Let our own jobs finish first (the broker sends no new ones during a round):
+            # every job in flight finishes on the old weights, whatever vLLM's own "wait"
+            # counts as in flight.
+            await self._drain()
+        await self.engine.pause(op.pause)
+        return self.engine.config.tensor_parallel_size
 
-    def _take_lora_bucket(self, bucket: Any, data: bytes) -> int:
-        import msgspec
+    async def check_names(self, op: p.CheckNames, control: p.Control) -> p.NameCheck:
+        have, sent = self.engine.checkpoint_names(), set(op.names)
+        return p.NameCheck(sorted(have - sent), sorted(sent - have))
+
+    async def in_engine(self, op: p.SyncOp, control: p.Control) -> p.AckResult:
+        if isinstance(op, p.BeginUpdate):
+            self.dirty = True
+        return total(await self.engine.sync_in_engine(control))
+
+    async def load(self, op: p.LoadShm | p.LoadIpc, control: p.Control) -> p.AckResult:
+        """A bucket; the first may begin the update and the last finish it."""
+        self.dirty = self.dirty or op.begin
+        if not op.finish:
+            return await self.in_engine(op, control)
+        # The last bucket: reset the prefix cache meanwhile (the engine is paused), so that
+        # commit only has to resume.
+        results, _ = await asyncio.gather(self.engine.sync_in_engine(control), self.engine.clear_prefix_cache())
+        return total(results)
+
+    async def lora_bucket(self, op: p.LoraBucket, control: p.Control) -> int:
+        """An adapter's bytes, inline; kept in this process until ``load_lora``."""
         import torch
 
-        from zmq_rollout.weights import Bucket, unpack
-
-        bucket = msgspec.convert(bucket, Bucket)
-        if len(data) < bucket.nbytes:
-            raise ValueError(f"LoRA bucket {bucket.index} carries {len(data)} bytes, needs {bucket.nbytes}")
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        for name, tensor in unpack(bucket, buf):
+        if op.first:
+            self._lora_parts = {}
+        buf = torch.frombuffer(bytearray(op.data), dtype=torch.uint8)
+        for name, tensor in unpack(op.bucket, buf):
             self._lora_parts[name] = tensor.clone()
-        return len(bucket.tensors)
+        return len(op.bucket.tensors)
 
+    async def load_lora(self, op: p.LoadLora, control: p.Control) -> int:
+        parts, self._lora_parts = self._lora_parts, {}
+        return await self.engine.load_lora(op.adapter, parts, dict(op.peft_config))
+
+    async def commit(self, op: p.Commit, control: p.Control) -> int:
+        self.engine.weight_version = op.version
+        self.dirty = False
+        await self.engine.resume()
+        log.info("weights at version %d", op.version)
+        return op.version
+
+    async def abort(self, op: p.Abort, control: p.Control) -> None:
+        await self.resume_or_exit("the sync round was aborted")
+
+    # -- leaving ---------------------------------------------------------------------------
     async def resume_or_exit(self, why: str) -> None:
         """Leave a round without committing: resume if the weights are intact, else exit."""
         if self.dirty:

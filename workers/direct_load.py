@@ -26,6 +26,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from zmq_rollout.protocol import Bucket
+from zmq_rollout.weight_sync.buckets import unpack
+
+from .bucket_loader import BucketLoader
+
 if TYPE_CHECKING:
     import torch
 
@@ -134,8 +139,10 @@ class _Recorder:
         self.views.append((dst, src))
 
 
-class DirectLoader:
-    """Per model: recipes by checkpoint name; ``load`` replays or records."""
+class DirectLoader(BucketLoader):
+    """Per model: recipes by checkpoint name, kept across rounds; ``load`` replays or records."""
+
+    name = "direct"
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -153,12 +160,10 @@ class DirectLoader:
         now = {n: p.data_ptr() for n, p in model.named_parameters()}
         return now != {n: p.data_ptr() for n, p in self._params.items()}
 
-    def load_bucket(self, bucket: Any, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
+    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
         """Load a bucket's tensors from ``buffer``; with ``buffer_key`` (a buffer that stays
         mapped under that name until ``forget``), remember the resolved copies and replay a
         bucket laid out the same way with a single ``_foreach_copy_``."""
-        from zmq_rollout.weights import unpack
-
         sig = tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors) if buffer_key else None
         plan = self._plans.get((buffer_key, sig)) if buffer_key else None
         if plan is not None:
@@ -168,7 +173,7 @@ class DirectLoader:
             self.num_replayed += len(plan.dsts)
             return
         tensors = unpack(bucket, buffer)
-        self.load(tensors)
+        self.load_tensors(tensors)
         if buffer_key and len(self._plans) < 256:
             self._plans[(buffer_key, sig)] = self._plan(tensors)
 
@@ -199,7 +204,8 @@ class DirectLoader:
             srcs.append(tensor.as_strided(src_sizes, src_strides, tensor.storage_offset() + src_offset))
         return dsts, srcs
 
-    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def load_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Replay each name's recipe; record it the first time (or when its dtype or shape changed)."""
         slow: list[tuple[str, torch.Tensor]] = []
         for name, tensor in tensors:
             key = (str(tensor.dtype), tuple(tensor.shape))
@@ -237,6 +243,9 @@ class DirectLoader:
             self.model.load_weights([(name, tensor)])
         self.num_loaded += 1
         why_not = recorder.why_not  # no copies at all is a recipe too: the loader skips the name
+        devices = {p.device for p in self._params.values()}
+        if not why_not and devices != {tensor.device}:  # copies across devices are not seen as ours
+            why_not = f"the tensor is on {tensor.device}, the parameters on {sorted(map(str, devices))}"
         if not why_not and not all(torch.equal(d, s.to(d.dtype)) for d, s in recorder.views):
             why_not = "a recorded copy does not reproduce what the loader wrote"
         if why_not:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
+from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.config import WorkerConfig
 
@@ -34,6 +34,7 @@ def engine_args(config: WorkerConfig) -> Any:
         "max_num_seqs": config.max_num_seqs,
         "max_model_len": config.max_model_len,
         "gpu_memory_utilization": config.gpu_memory_utilization,
+        "kv_cache_memory_bytes": None if config.kv_cache_gib is None else int(config.kv_cache_gib * (1 << 30)),
         "dtype": config.dtype,
         "enforce_eager": config.enforce_eager,
         "seed": config.seed,
@@ -68,38 +69,6 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
-
-
-def vllm_sampling(s: p.SamplingParams, *, stream: bool) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        n=s.n,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k if s.top_k >= 1 else -1,
-        max_tokens=s.max_tokens,
-        stop=list(s.stop) or None,
-        seed=s.seed,
-        logprobs=s.logprobs,  # 0: the sampled token's logprob only
-        ignore_eos=s.ignore_eos,
-        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-    )
-
-
-def sampled_logprobs(token_ids: Any, logprobs: Any, top: int) -> tuple[list[float], list[dict[int, float]] | None]:
-    """The sampled tokens' logprobs, and the top-``top`` logprobs per position if asked."""
-    if logprobs is None:
-        return [], None
-    chosen = [float(pos[tok].logprob) for tok, pos in zip(token_ids, logprobs, strict=False)]
-    if not top:
-        return chosen, None
-    tops = [
-        {int(t): float(lp.logprob) for t, lp in pos.items() if lp.rank is not None and lp.rank <= top}
-        for pos in logprobs
-    ]
-    return chosen, tops
 
 
 class Engine:
@@ -193,9 +162,10 @@ class Engine:
     def paused(self) -> bool:
         return not self._running.is_set()
 
-    async def rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call a ``WeightSyncExtension`` method in every engine worker (one per TP rank)."""
-        return list(await self.llm.collective_rpc(method, args=args, kwargs=kwargs or None))
+    async def sync_in_engine(self, control: p.Control) -> list[Any]:
+        """Run a data step of a weight-sync round in every engine worker process (one per
+        TP rank; ``WeightSyncExtension.zr_sync``); their results, in rank order."""
+        return list(await self.llm.collective_rpc("zr_sync", args=(codec.encode_body(control),)))
 
     def checkpoint_names(self) -> set[str]:
         """Tensor names in the model folder's safetensors files (what a trainer must send)."""
@@ -208,18 +178,6 @@ class Engine:
             with safe_open(str(path), framework="pt") as f:
                 names.update(f.keys())
         return names
-
-    def run(self, request_id: str, job: p.JobSpec) -> AsyncIterator[p.Delta | p.Result]:
-        from .generation import run_job
-
-        return run_job(self, request_id, job)
-
-    async def warm_up(self) -> None:
-        """One short seeded job with logprobs: the first such request compiles kernels (seconds
-        on CPU), which must not land on a real job or look like a slow worker."""
-        job = p.JobSpec("warm-up", p.SamplingParams(max_tokens=2, seed=0, logprobs=1), prompt_token_ids=[0, 1])
-        async for _ in self.run("zmq-rollout-warm-up", job):
-            pass
 
     async def abort(self, request_ids: list[str]) -> None:
         if request_ids:

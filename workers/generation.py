@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from zmq_rollout import protocol as p
 
-from .engine import sampled_logprobs, vllm_sampling
+from .sampling import sampled_logprobs, vllm_sampling
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -144,3 +144,11 @@ async def _drive(
         queue.put_nowait(exc)
     finally:
         queue.put_nowait(None)
+
+
+async def warm_up(engine: Engine) -> None:
+    """One short seeded job with logprobs: the first such request compiles kernels (seconds
+    on CPU), which must not land on a real job or look like a slow worker."""
+    job = p.JobSpec("warm-up", p.SamplingParams(max_tokens=2, seed=0, logprobs=1), prompt_token_ids=[0, 1])
+    async for _ in run_job(engine, "zmq-rollout-warm-up", job):
+        pass

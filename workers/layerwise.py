@@ -10,12 +10,62 @@ nothing themselves (a tied LM head) are processed again (``reprocess_tied``).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
+
+from zmq_rollout.protocol import Bucket
+from zmq_rollout.weight_sync.buckets import unpack
+
+from .bucket_loader import BucketLoader
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["detach_pending", "pending_registry", "reload_api", "reprocess_tied", "unloaded_layers"]
+__all__ = [
+    "LayerwiseLoader",
+    "detach_pending",
+    "pending_registry",
+    "reload_api",
+    "reprocess_tied",
+    "unloaded_layers",
+]
+
+log = logging.getLogger(__name__)
+
+
+class LayerwiseLoader(BucketLoader):
+    """vLLM's layerwise reload: ``load_weights`` buffers each layer until it is complete,
+    processes it (CPU gemm repacking, quantization, ...) and copies the result into the
+    original storage, so CUDA graphs stay valid."""
+
+    name = "layerwise"
+
+    def __init__(self, model: Any, model_config: Any, reload: Any) -> None:
+        self.model, self.model_config, self.reload = model, model_config, reload
+        self.registry: Any = None
+
+    def begin(self) -> None:
+        import torch
+
+        self.registry = pending_registry()
+        if self.registry is None:
+            log.warning("weight sync: this vLLM's layerwise reload state is unfamiliar; cloning every bucket")
+        with torch.no_grad():
+            self.reload.initialize_layerwise_reload(self.model)
+
+    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
+        tensors = unpack(bucket, buffer)
+        if self.registry is None:  # we cannot find the views a waiting layer keeps: copy first
+            tensors = [(name, t.clone()) for name, t in tensors]
+        self.model.load_weights(tensors)
+        del tensors
+        if self.registry is not None:
+            detach_pending(self.registry, buffer)
+
+    def finish(self) -> None:
+        unloaded = unloaded_layers(self.registry, self.model) if self.registry is not None else []
+        self.reload.finalize_layerwise_reload(self.model, self.model_config)
+        reprocess_tied(self.model, unloaded)
 
 
 def reload_api() -> Any:

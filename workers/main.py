@@ -19,6 +19,7 @@ import sys
 import time
 
 from zmq_rollout.config import WorkerConfig
+from zmq_rollout.settings import to_argv
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,12 @@ def plan_engines(gpus: str, tensor_parallel_size: int) -> list[str]:
 
 async def _serve(config: WorkerConfig) -> int:
     from .engine import Engine
+    from .generation import warm_up
     from .worker import Worker
 
     started = time.monotonic()
     engine = Engine(config)
-    await engine.warm_up()
+    await warm_up(engine)
     log.info(
         "engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
         time.monotonic() - started,
@@ -77,9 +79,7 @@ def _supervise(config: WorkerConfig, groups: list[str]) -> int:
         port = None if config.metrics_port is None else config.metrics_port + i
         child = dataclasses.replace(config, gpus=group, name=name, metrics_port=port)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
-        children.append(
-            subprocess.Popen([sys.executable, "-m", "zmq_rollout.cli", "worker", *cli_args(child)], env=env)
-        )
+        children.append(subprocess.Popen(worker_command(child), env=env))
 
     def forward_term(*_: object) -> None:
         for c in children:
@@ -101,36 +101,6 @@ def _supervise(config: WorkerConfig, groups: list[str]) -> int:
     return code
 
 
-def cli_args(config: WorkerConfig) -> list[str]:
-    """The ``zmq-rollout worker`` arguments that reproduce ``config``."""
-    args = [
-        "--broker",
-        config.broker,
-        "--model",
-        config.model,
-        "--gpus",
-        config.gpus,
-        "--tensor-parallel-size",
-        str(config.tensor_parallel_size),
-        "--max-num-seqs",
-        str(config.max_num_seqs),
-        "--max-model-len",
-        str(config.max_model_len),
-        "--gpu-memory-utilization",
-        str(config.gpu_memory_utilization),
-        "--dtype",
-        config.dtype,
-        "--name",
-        config.name,
-        "--seed",
-        str(config.seed),
-    ]
-    if not config.enforce_eager:
-        args.append("--no-enforce-eager")
-    if config.attention_backend:
-        args += ["--attention-backend", config.attention_backend]
-    if config.metrics_port is not None:
-        args += ["--metrics-port", str(config.metrics_port)]
-    if config.enable_lora:
-        args += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank), "--max-loras", str(config.max_loras)]
-    return args
+def worker_command(config: WorkerConfig) -> list[str]:
+    """The command that runs one worker process with exactly ``config`` (every field given)."""
+    return [sys.executable, "-m", "zmq_rollout.cli", "worker", *to_argv(config)]

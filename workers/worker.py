@@ -25,8 +25,9 @@ from zmq_rollout.batching import append
 from zmq_rollout.config import WorkerConfig
 from zmq_rollout.errors import ProtocolError
 
-from .control import SyncParticipant
+from .control import SyncParticipant, refusal
 from .engine import Engine, InvalidJob
+from .generation import run_job
 from .metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ class Worker:
         self._flush_scheduled = False
         self._last_heard = 0.0
         self._exit: asyncio.Future[int] | None = None
-        self.sync = SyncParticipant(engine, lambda ack: self._send_now(p.CONTROL_ACK, ack), self._fatal, self._drain)
+        self.sync = SyncParticipant(
+            engine, lambda ack: self._send_now(p.CONTROL_ACK, ack), self._fatal, self.wait_for_jobs
+        )
 
     # -- connection ------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -138,12 +141,26 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         cfg = self.config
+        beat = time.monotonic()
         while True:
-            await asyncio.sleep(cfg.heartbeat_interval)
-            if time.monotonic() - self._last_heard > cfg.heartbeat_interval * cfg.broker_liveness:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            now, last_beat = time.monotonic(), beat
+            beat = now
+            stalled = now - last_beat - cfg.heartbeat_interval_s
+            if stalled > cfg.heartbeat_interval_s + 1:
+                # This process got no CPU (engines hogging the cores): silence it could not
+                # hear is not the broker's, so it does not count towards broker_expiry_s.
+                log.warning("worker %s: event loop stalled for %.1f s", self.name, stalled)
+                self._last_heard += stalled
+            if now - self._last_heard > cfg.broker_expiry_s and not self._messages_waiting():
                 await self._reconnect("broker silent")
             else:
                 self._send_now(p.HEARTBEAT, None)
+
+    def _messages_waiting(self) -> bool:
+        """Whether broker messages wait unread: a loop that was busy has not heard them yet,
+        but the broker is not silent."""
+        return self._sock is not None and bool(int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     async def _receive(self) -> None:
         while True:
@@ -158,6 +175,10 @@ class Worker:
             except ProtocolError as exc:
                 self.metrics.malformed.inc()
                 log.warning("worker %s: bad message from broker: %s", self.name, exc)
+                if len(frames) > 2 and frames[1] == p.CONTROL:  # answer it, or the round waits for its deadline
+                    ack = refusal(frames[2], str(exc), self.engine.weight_version)
+                    if ack is not None:
+                        self._send_now(p.CONTROL_ACK, ack)
                 continue
             if msg.command == p.JOBS:
                 for assignment in msg.body:
@@ -180,7 +201,7 @@ class Worker:
         ticket, job = assignment.ticket, assignment.job
         started = time.monotonic()
         try:
-            async for item in self.engine.run(str(ticket), job):
+            async for item in run_job(self.engine, str(ticket), job):
                 item.key = ticket
                 if isinstance(item, p.Delta):
                     self._queue(p.PARTIAL, item)
@@ -209,8 +230,8 @@ class Worker:
             task.cancel()
         await self.engine.abort([str(t) for t in tickets])
 
-    async def _drain(self) -> None:
-        """Until every job in flight has finished."""
+    async def wait_for_jobs(self) -> None:
+        """Until every running job has finished (a ``wait``-mode pause drains them so)."""
         while self._tasks:
             await asyncio.wait(list(self._tasks.values()))
 

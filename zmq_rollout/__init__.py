@@ -1,9 +1,10 @@
 """zmq-rollout: the rollout tier for RL post-training of LLMs.
 
-The public API is ``__all__`` (pinned by tests/test_public_api.py).
+The public API is ``__all__`` (pinned by tests/unit/test_client.py, test_public_api_is_pinned).
 """
 
-from zmq_rollout.client import AsyncRolloutClient, Rollout, RolloutClient
+from zmq_rollout.blocking import RolloutClient
+from zmq_rollout.client import AsyncRolloutClient
 from zmq_rollout.errors import (
     BusyError,
     ClientClosedError,
@@ -16,6 +17,8 @@ from zmq_rollout.errors import (
     SyncError,
 )
 from zmq_rollout.protocol import ChatMessage, SamplingParams
+from zmq_rollout.rollouts import Rollout, TokenDelta
+from zmq_rollout.weight_sync import SyncReport
 
 __version__ = "0.1.0"
 
@@ -34,5 +37,7 @@ __all__ = [
     "RolloutTimeoutError",
     "SamplingParams",
     "SyncError",
+    "SyncReport",
+    "TokenDelta",
     "__version__",
 ]

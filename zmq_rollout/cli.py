@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -11,7 +12,8 @@ from typing import Optional
 
 import typer
 
-from zmq_rollout.config import BrokerConfig, WorkerConfig
+from zmq_rollout.config import BrokerConfig, ClientConfig, WorkerConfig
+from zmq_rollout.settings import config_options
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Rollout tier for RL post-training: broker, vLLM workers, client."
@@ -24,50 +26,26 @@ def _logging(verbose: bool) -> None:
     )
 
 
+def _print_config(config: object) -> None:
+    typer.echo(json.dumps(dataclasses.asdict(config), indent=2))  # type: ignore[call-overload]
+
+
 @app.command()
+@config_options(BrokerConfig)
 def broker(
-    frontend: str = typer.Option(BrokerConfig.frontend, help="Address clients connect to."),
-    backend: str = typer.Option(BrokerConfig.backend, help="Address workers connect to."),
-    metrics_port: Optional[int] = typer.Option(None, help="Port of the Prometheus /metrics endpoint."),  # noqa: UP045
-    metrics_host: str = typer.Option(BrokerConfig.metrics_host, help="Interface of the /metrics endpoint."),
-    heartbeat_interval: float = typer.Option(BrokerConfig.heartbeat_interval, help="Seconds between heartbeats."),
-    worker_liveness: int = typer.Option(
-        BrokerConfig.worker_liveness, help="Missed heartbeats before a worker is purged."
-    ),
-    client_expiry: float = typer.Option(
-        BrokerConfig.client_expiry, help="Seconds of client silence before its jobs drop."
-    ),
-    max_queue_per_client: int = typer.Option(
-        BrokerConfig.max_queue_per_client, help="Queued jobs per client before BUSY."
-    ),
-    max_queue_total: int = typer.Option(BrokerConfig.max_queue_total, help="Queued jobs in all before BUSY."),
-    max_attempts: int = typer.Option(BrokerConfig.max_attempts, help="Workers a job may lose before it fails."),
-    max_message_bytes: int = typer.Option(BrokerConfig.max_message_bytes, help="Largest client message accepted."),
-    round_idle_timeout: float = typer.Option(
-        BrokerConfig.round_idle_timeout, help="Seconds a sync round may wait for its trainer's next step."
-    ),
+    config: BrokerConfig,
+    print_config: bool = typer.Option(False, "--print-config", help="Print the settings as JSON and exit."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run the broker."""
+    if print_config:
+        _print_config(config)
+        return
     import signal
 
     from zmq_rollout.broker.server import Broker
 
     _logging(verbose)
-    config = BrokerConfig(
-        frontend=frontend,
-        backend=backend,
-        metrics_port=metrics_port,
-        metrics_host=metrics_host,
-        heartbeat_interval=heartbeat_interval,
-        worker_liveness=worker_liveness,
-        client_expiry=client_expiry,
-        max_queue_per_client=max_queue_per_client,
-        max_queue_total=max_queue_total,
-        max_attempts=max_attempts,
-        max_message_bytes=max_message_bytes,
-        round_idle_timeout=round_idle_timeout,
-    )
     b = Broker(config)
     signal.signal(signal.SIGTERM, lambda *_: b.stop())
     with contextlib.suppress(KeyboardInterrupt):
@@ -75,67 +53,36 @@ def broker(
 
 
 @app.command()
+@config_options(WorkerConfig, required=("model",))
 def worker(
-    model: str = typer.Option(..., help="Local model folder."),
-    broker: str = typer.Option(WorkerConfig.broker, help="The broker's backend address."),
-    gpus: str = typer.Option("", help="GPU ids, e.g. 0,1 (empty: CPU)."),
-    tensor_parallel_size: int = typer.Option(1, help="GPUs per engine."),
-    max_num_seqs: int = typer.Option(WorkerConfig.max_num_seqs, help="Sequences per engine (= credits)."),
-    max_model_len: int = typer.Option(WorkerConfig.max_model_len),
-    gpu_memory_utilization: float = typer.Option(
-        WorkerConfig.gpu_memory_utilization, help="On CPU: fraction of RAM for KV cache."
-    ),
-    dtype: str = typer.Option(WorkerConfig.dtype),
-    enforce_eager: bool = typer.Option(True, help="Disable CUDA graphs / torch.compile."),
-    attention_backend: Optional[str] = typer.Option(None, help="vLLM attention backend, e.g. TRITON_ATTN."),  # noqa: UP045
-    name: str = typer.Option("", help="Worker name (default host-pid)."),
-    seed: int = typer.Option(0),
-    metrics_port: Optional[int] = typer.Option(None, help="Port of this worker's /metrics."),  # noqa: UP045
-    enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve LoRA adapters pushed by update_lora."),
-    max_lora_rank: int = typer.Option(WorkerConfig.max_lora_rank, help="Largest adapter rank (8, 16, 32, ...)."),
-    max_loras: int = typer.Option(WorkerConfig.max_loras, help="Adapters one batch may mix."),
+    config: WorkerConfig,
+    print_config: bool = typer.Option(False, "--print-config", help="Print the settings as JSON and exit."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run a worker around vLLM (one engine per GPU group)."""
+    if print_config:
+        _print_config(config)
+        return
     from zmq_rollout.workers.main import run_worker
 
     _logging(verbose)
-    config = WorkerConfig(
-        broker=broker,
-        model=model,
-        gpus=gpus,
-        tensor_parallel_size=tensor_parallel_size,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        dtype=dtype,
-        enforce_eager=enforce_eager,
-        attention_backend=attention_backend,
-        name=name,
-        seed=seed,
-        metrics_port=metrics_port,
-        enable_lora=enable_lora,
-        max_lora_rank=max_lora_rank,
-        max_loras=max_loras,
-    )
     raise typer.Exit(run_worker(config))
 
 
 @app.command()
+@config_options(ClientConfig)
 def generate(
+    config: ClientConfig,
     input: Path = typer.Option(..., "--input", "-i", help="JSONL: one {prompt|messages|prompt_token_ids} per line."),
     output: Path = typer.Option(..., "--output", "-o", help="JSONL: one rollout per line."),
-    address: str = typer.Option("tcp://127.0.0.1:5555", help="The broker's frontend."),
-    n: int = typer.Option(1),
+    n: int = typer.Option(1, help="Samples per prompt."),
     temperature: float = typer.Option(1.0),
     top_p: float = typer.Option(1.0),
     max_tokens: int = typer.Option(64),
     seed: Optional[int] = typer.Option(None),  # noqa: UP045
-    timeout: float = typer.Option(600.0, help="Seconds to wait for all rollouts."),
 ) -> None:
     """Submit prompts from a JSONL file and write the rollouts to another."""
     import concurrent.futures
-    import dataclasses
 
     from zmq_rollout import RolloutClient, SamplingParams
 
@@ -149,10 +96,10 @@ def generate(
             raise typer.BadParameter(f"{input}:{lineno}: needs prompt, messages or prompt_token_ids")
         prompts.append(prompt)
     sampling = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
-    with RolloutClient(address, timeout=timeout) as client, output.open("w") as out:
+    with RolloutClient(config=config) as client, output.open("w") as out:
         futures = {client.submit(prompt, sampling): i for i, prompt in enumerate(prompts)}
         with typer.progressbar(length=len(futures), label="rollouts", file=sys.stderr) as bar:
-            for future in concurrent.futures.as_completed(futures, timeout=timeout):
+            for future in concurrent.futures.as_completed(futures):
                 for rollout in future.result():
                     rollout.prompt_index = futures[future]
                     out.write(json.dumps(dataclasses.asdict(rollout)) + "\n")
@@ -161,22 +108,27 @@ def generate(
 
 
 @app.command()
-def status(address: str = typer.Option("tcp://127.0.0.1:5555", help="The broker's frontend.")) -> None:
-    """Show the broker's workers and queues."""
+@config_options(ClientConfig, skip=("timeout_s", "batch_size"))
+def status(config: ClientConfig) -> None:
+    """Show the broker's workers, queues and job totals."""
     from zmq_rollout import RolloutClient
 
-    with RolloutClient(address, request_timeout=5.0) as client:
+    with RolloutClient(config=config) as client:
         st = client.status()
-    typer.echo(f"{'WORKER':<32} {'STATE':<6} {'CREDITS':>7} {'RUNNING':>7} {'VERSION':>7} {'IDLE_S':>7}  MODEL")
+    typer.echo(f"{'WORKER':<32} {'STATE':<7} {'CREDITS':>7} {'RUNNING':>7} {'VERSION':>7} {'IDLE_S':>7}  MODEL")
     for w in st.workers:
         typer.echo(
-            f"{w.name:<32} {w.state:<6} {w.credits:>7} {w.in_flight:>7} {w.weight_version:>7} "
-            f"{w.idle_seconds:>7.1f}  {w.model}"
+            f"{w.name:<32} {w.state:<7} {w.credits:>7} {w.running:>7} {w.weight_version:>7} {w.idle_s:>7.1f}  {w.model}"
         )
     typer.echo(f"\n{'CLIENT':<32} {'QUEUED':>7} {'RUNNING':>7}")
     for c in st.clients:
         typer.echo(f"{c.name:<32} {c.queued:>7} {c.running:>7}")
-    typer.echo(f"\ntotal: {st.queued} queued, {st.running} running, {len(st.workers)} workers")
+    t = st.totals
+    typer.echo(
+        f"\nnow: {st.queued} queued, {st.running} running, {len(st.workers)} workers, fleet version {st.fleet_version}"
+        f"\nsince start: {t.submitted} submitted, {t.completed} completed, {t.failed} failed, "
+        f"{t.cancelled} cancelled, {t.requeued} requeued"
+    )
 
 
 @app.command("make-tiny-model")

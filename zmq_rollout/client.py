@@ -1,24 +1,22 @@
-"""The trainer-side client: ``AsyncRolloutClient`` (asyncio) and ``RolloutClient`` (blocking).
+"""The trainer-side client, ``AsyncRolloutClient``: one DEALER to the broker, asyncio.
 
-The blocking client is the asyncio one running on a private event-loop thread, so the two
-never drift apart: every method of ``RolloutClient`` is a one-line bridge.
+    async with AsyncRolloutClient("tcp://127.0.0.1:5555") as client:
+        rollouts = await client.generate(["2+2="], SamplingParams(n=4, max_tokens=8))
 
-    with RolloutClient("tcp://127.0.0.1:5555") as client:
-        rollouts = client.generate(["2+2="], SamplingParams(n=4, max_tokens=8))
+``zmq_rollout.blocking.RolloutClient`` is the same client for code without an event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
+import math
 import os
-import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -33,89 +31,27 @@ from zmq_rollout.errors import (
     RolloutTimeoutError,
     error_from_code,
 )
+from zmq_rollout.rollouts import Prompt, Rollout, TokenDelta, make_job, to_rollouts
+from zmq_rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport, WeightTransport, make_transport
+from zmq_rollout.weight_sync import update_lora as _update_lora
+from zmq_rollout.weight_sync import update_weights as _update_weights
+from zmq_rollout.weight_sync.update import LORA_BUCKET_BYTES
 
-Prompt = Union[str, Sequence[int], Sequence[dict[str, str]], Sequence[p.ChatMessage]]  # noqa: UP007 (runtime alias)
 T = TypeVar("T")
 
-
-@dataclass
-class Rollout:
-    """One sampled completion, ready for a trainer's loss."""
-
-    job_id: str
-    prompt_index: int  # position of its prompt in the call's input
-    index: int  # sample index within the prompt (0..n-1)
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]  # the sampled tokens' processed logprobs
-    finish_reason: str
-    weight_version: int
-    worker_id: str
-    top_logprobs: list[dict[int, float]] | None = None
-    weight_versions: list[int] | None = None  # per token, only if the sample spans a weight sync
+__all__ = ["AsyncRolloutClient", "Prompt", "Rollout", "TokenDelta", "make_job"]
 
 
-@dataclass
-class TokenDelta:
-    """Tokens streamed for one sample of a job."""
-
-    job_id: str
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-
-
-def make_job(
-    job_id: str,
-    prompt: Prompt,
-    sampling: p.SamplingParams,
-    *,
-    stream: bool = False,
-    min_weight_version: int = 0,
-    lora: str | None = None,
-) -> p.JobSpec:
-    """Build and validate a job from a prompt string, chat messages or token ids."""
-    kwargs: dict[str, Any] = {}
-    if isinstance(prompt, str):
-        kwargs["prompt"] = prompt
-    elif isinstance(prompt, (bytes, bytearray)):
-        raise InvalidRequestError("a prompt is a str, not bytes: decode it first", job_id=job_id)
-    elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
-        kwargs["prompt_token_ids"] = list(prompt)
-    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, (dict, p.ChatMessage)) for m in prompt):
-        try:
-            kwargs["messages"] = [m if isinstance(m, p.ChatMessage) else p.ChatMessage(**m) for m in prompt]  # type: ignore[arg-type]
-        except TypeError as exc:
-            raise InvalidRequestError(f"a chat message has a role and a content: {exc}", job_id=job_id) from None
-    else:
-        raise InvalidRequestError(
-            "a prompt is a string, a non-empty list of token ids, or a list of chat messages; "
-            f"got {type(prompt).__name__}"
-        )
-    try:
-        sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
-        return p.JobSpec(job_id, sampling, stream=stream, min_weight_version=min_weight_version, lora=lora, **kwargs)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(str(exc), job_id=job_id) from None
-
-
-def to_rollouts(result: p.Result, prompt_index: int = 0) -> list[Rollout]:
-    return [
-        Rollout(
-            str(result.key),
-            prompt_index,
-            s.index,
-            result.prompt_token_ids,
-            s.token_ids,
-            s.logprobs,
-            s.finish_reason,
-            result.weight_version,
-            result.worker_id,
-            s.top_logprobs,
-            s.weight_versions,
-        )
-        for s in sorted(result.samples, key=lambda s: s.index)
-    ]
+def _config(address: str | None, config: ClientConfig | None, overrides: dict[str, Any]) -> ClientConfig:
+    """A new config: ``config`` (or the defaults) with ``address`` and ``overrides``; the
+    caller's object is never changed."""
+    names = {f.name for f in dataclasses.fields(ClientConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"unknown ClientConfig setting(s) {unknown}; the settings are {sorted(names)}")
+    if address is not None:
+        overrides = {**overrides, "address": address}
+    return dataclasses.replace(config or ClientConfig(), **overrides)
 
 
 class _Pending:
@@ -130,11 +66,7 @@ class AsyncRolloutClient:
     """asyncio client. Create it inside a running event loop (or call ``connect`` there)."""
 
     def __init__(self, address: str | None = None, config: ClientConfig | None = None, **overrides: Any) -> None:
-        self.config = config or ClientConfig()
-        if address is not None:
-            self.config.address = address
-        for key, value in overrides.items():
-            setattr(self.config, key, value)
+        self.config = _config(address, config, overrides)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[str, _Pending] = {}
@@ -145,10 +77,8 @@ class AsyncRolloutClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._decoder = codec.Decoder(codec.TO_CLIENT)
-        self.weight_buffers: Any = None
-        """The CUDA IPC buffers of ``update_weights(transport="cuda_ipc")``, kept across rounds."""
-        self.shm_buffers: Any = None
-        """The shared-memory segments of ``update_weights(transport="shm")``, kept across rounds."""
+        self.transport: WeightTransport | None = None
+        """The weight-sync transport of the last ``update_weights``, kept (with its buffers) across rounds."""
 
     async def connect(self) -> AsyncRolloutClient:
         if self._sock is None:
@@ -209,7 +139,7 @@ class AsyncRolloutClient:
         prompts: Prompt | Sequence[Prompt],
         sampling: p.SamplingParams | None = None,
         *,
-        timeout: float | None = -1.0,
+        timeout_s: float | None = None,
         min_weight_version: int = 0,
         lora: str | None = None,
     ) -> list[Rollout]:
@@ -217,28 +147,29 @@ class AsyncRolloutClient:
 
         Each item of ``prompts`` is one prompt: a string, a list of token ids, or a list of
         chat messages. A single string is one prompt. ``lora``: sample with that adapter
-        (pushed with ``update_lora``) instead of the base model.
+        (pushed with ``update_lora``) instead of the base model. ``timeout_s``: how long to
+        wait for all of them (None: ``ClientConfig.timeout_s``; ``math.inf``: no limit).
         """
         sampling = sampling or p.SamplingParams()
         items: list[Prompt] = [prompts] if isinstance(prompts, str) else list(prompts)  # type: ignore[arg-type]
         jobs = [make_job(self._new_id(), i, sampling, min_weight_version=min_weight_version, lora=lora) for i in items]
         handles = await self.submit_jobs(jobs)
-        results = await self._wait([h.future for h in handles], jobs, timeout)
+        results = await self._wait([h.future for h in handles], jobs, timeout_s)
         out: list[Rollout] = []
         for i, result in enumerate(results):
             out.extend(to_rollouts(result, i))
         return out
 
-    async def _wait(self, futures: list[asyncio.Future[T]], jobs: list[p.JobSpec], timeout: float | None) -> list[T]:
-        limit = self.config.timeout if timeout == -1.0 else timeout
+    async def _wait(self, futures: list[asyncio.Future[T]], jobs: list[p.JobSpec], timeout_s: float | None) -> list[T]:
+        limit = self.config.timeout_s if timeout_s is None else timeout_s
         try:
-            return await asyncio.wait_for(asyncio.gather(*futures), limit)
+            return await asyncio.wait_for(asyncio.gather(*futures), None if math.isinf(limit) else limit)
         except asyncio.TimeoutError:
             left = [j.job_id for j in jobs if j.job_id in self._pending]
             await self.cancel(left)
             raise RolloutTimeoutError(
                 f"{len(left)} of {len(jobs)} jobs had no result after {limit} s; they were cancelled "
-                "(raise ClientConfig.timeout or pass timeout=)"
+                "(raise ClientConfig.timeout_s or pass timeout_s=)"
             ) from None
         except BaseException:
             await self.cancel([j.job_id for j in jobs if j.job_id in self._pending])
@@ -281,11 +212,11 @@ class AsyncRolloutClient:
         self._status_waiters.append(future)
         await self._send(p.STATUS, None)
         try:
-            return await asyncio.wait_for(future, self.config.request_timeout)
+            return await asyncio.wait_for(future, self.config.request_timeout_s)
         except asyncio.TimeoutError:
             raise RolloutTimeoutError(
                 f"the broker at {self.config.address} did not answer STATUS within "
-                f"{self.config.request_timeout} s (ClientConfig.request_timeout)"
+                f"{self.config.request_timeout_s} s (ClientConfig.request_timeout_s)"
             ) from None
         finally:
             if future in self._status_waiters:
@@ -293,51 +224,110 @@ class AsyncRolloutClient:
 
     # -- weight sync -----------------------------------------------------------------------
     async def sync_step(self, step: p.SyncStep) -> p.SyncReply:
-        """One step of a weight-sync round (``zmq_rollout.trainer`` drives them)."""
+        """One step of a weight-sync round (``zmq_rollout.weight_sync`` drives them)."""
         future: asyncio.Future[p.SyncReply] = asyncio.get_running_loop().create_future()
         self._sync_waiters.append(future)
         await self._send(p.SYNC, step)
-        limit = step.timeout + self.config.request_timeout
+        limit = step.timeout_s + self.config.request_timeout_s
         try:
             return await asyncio.wait_for(future, limit)
         except asyncio.TimeoutError:
             raise RolloutTimeoutError(
-                f"the broker did not answer sync step {step.op!r} within {limit} s "
-                "(the step's timeout= plus ClientConfig.request_timeout)"
+                f"the broker did not answer sync step {step.op.kind!r} within {limit} s "
+                "(the step's timeout_s plus ClientConfig.request_timeout_s)"
             ) from None
         finally:
             if future in self._sync_waiters:
                 self._sync_waiters.remove(future)
 
-    async def update_weights(self, source: Any, **kwargs: Any) -> Any:
-        """Push new policy weights into every worker; returns a ``SyncReport``.
+    def _transport_for(self, transport: str | WeightTransport, master_addr: str | None) -> WeightTransport:
+        """The transport to use, kept across rounds: the one held if it matches, else a new one."""
+        if isinstance(transport, WeightTransport):
+            chosen = transport
+        else:
+            options = {} if master_addr is None else {"master_addr": master_addr}
+            held = self.transport
+            if held is not None and held.name == transport and held.options == options:
+                return held
+            chosen = make_transport(transport, **options)
+        if chosen is not self.transport and self.transport is not None:
+            self.transport.close()
+        self.transport = chosen
+        return chosen
 
-        ``source``: an ``nn.Module`` or ``(name, tensor)`` pairs with checkpoint names.
-        Keywords: ``transport`` ("shm" | "cuda_ipc" | "gloo" | "nccl"), ``pause`` ("abort" | "wait" |
-        "keep"), ``version`` (default: the fleet's + 1), ``bucket_bytes``, ``timeout`` (per
-        step; a worker that misses it is evicted), ``check_names``, ``master_addr``.
+    async def update_weights(
+        self,
+        source: Any,
+        *,
+        transport: str | WeightTransport = "shm",
+        pause: str = "wait",
+        version: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 60.0,
+        check_names: bool = False,
+        master_addr: str | None = None,
+        direct_load: bool = True,
+    ) -> SyncReport:
+        """Push new policy weights into every worker; returns when every worker that stayed
+        serves them, with a ``SyncReport``.
+
+        ``source``: an ``nn.Module`` (its ``state_dict()``, tied weights once) or
+        ``(name, tensor)`` pairs with checkpoint names. ``transport``: ``"shm"`` (one host),
+        ``"cuda_ipc"`` (the GPUs of one node), ``"gloo"`` or ``"nccl"`` (any hosts; the
+        trainer listens on ``master_addr``, default 127.0.0.1), or a ``WeightTransport``; it
+        is kept, with its buffers, for the next call. ``pause``: what jobs in flight do
+        (``"abort"``, ``"wait"``, ``"keep"``). ``version``: default the fleet's + 1.
+        ``timeout_s``: per step; a worker that misses it is evicted. ``check_names``: compare
+        names with every worker's checkpoint first. ``direct_load``: False forces vLLM's
+        layerwise reload even where loading straight into the parameters qualifies.
         """
-        from zmq_rollout.trainer import update_weights
+        chosen = self._transport_for(transport, master_addr)
+        return await _update_weights(
+            self,
+            chosen,
+            source,
+            pause=pause,
+            version=version,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+            check_names=check_names,
+            direct_load=direct_load,
+        )
 
-        return await update_weights(self, source, **kwargs)
-
-    async def update_lora(self, tensors: Any, peft_config: Any, **kwargs: Any) -> Any:
-        """Push a LoRA adapter into every worker's vLLM LoRA slot; returns a ``SyncReport``.
+    async def update_lora(
+        self,
+        tensors: Any,
+        peft_config: Any,
+        *,
+        name: str = "default",
+        pause: str = "wait",
+        version: int | None = None,
+        timeout_s: float = 60.0,
+        bucket_bytes: int = LORA_BUCKET_BYTES,
+    ) -> SyncReport:
+        """Push a LoRA adapter into every worker's vLLM LoRA slot ``name``; returns a ``SyncReport``.
 
         ``tensors``: ``(name, tensor)`` pairs or a dict, PEFT names (e.g. from
         ``peft.get_peft_model_state_dict``); ``peft_config``: its ``adapter_config.json``
-        as a dict (or a peft ``LoraConfig``). Keywords: ``name`` (the adapter jobs ask for
-        with ``lora=``; default "default"), ``pause``, ``version``, ``timeout``. Workers
-        need ``--enable-lora``.
+        as a dict (or a peft ``LoraConfig``). Jobs sample with it by ``lora=name``.
+        Workers need ``--enable-lora``. The adapter's bytes travel in the steps,
+        ``bucket_bytes`` per step.
         """
-        from zmq_rollout.trainer import update_lora
-
-        return await update_lora(self, tensors, peft_config, **kwargs)
+        return await _update_lora(
+            self,
+            tensors,
+            peft_config,
+            name=name,
+            pause=pause,
+            version=version,
+            timeout_s=timeout_s,
+            bucket_bytes=bucket_bytes,
+        )
 
     # -- background ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval)
+            await asyncio.sleep(self.config.heartbeat_interval_s)
             await self._send(p.HEARTBEAT, None)
 
     async def _receive(self) -> None:
@@ -398,88 +388,8 @@ class AsyncRolloutClient:
                 handle.future.set_exception(ClientClosedError("the client was closed", job_id=jid))
                 handle.future.exception()  # mark retrieved: nobody may be waiting any more
         self._pending.clear()
-        for buffers in (self.weight_buffers, self.shm_buffers):
-            if buffers is not None:
-                buffers.close()
-        self.weight_buffers = self.shm_buffers = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
         if self._sock is not None:
             self._sock.close(linger=0)
-
-
-class RolloutClient:
-    """Blocking client: an ``AsyncRolloutClient`` on a private event-loop thread."""
-
-    def __init__(self, address: str | None = None, config: ClientConfig | None = None, **overrides: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="zmq-rollout-client", daemon=True)
-        self._thread.start()
-        self._async = self._call(self._make(address, config, overrides))
-
-    @staticmethod
-    async def _make(address: str | None, config: ClientConfig | None, overrides: dict[str, Any]) -> AsyncRolloutClient:
-        return await AsyncRolloutClient(address, config, **overrides).connect()
-
-    async def _shutdown(self) -> None:
-        """Close the client, then let every call still running on the loop settle."""
-        await self._async.close()
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        if others:
-            await asyncio.wait(others, timeout=5)
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @property
-    def config(self) -> ClientConfig:
-        return self._async.config
-
-    def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling: p.SamplingParams | None = None, **kwargs: Any
-    ) -> list[Rollout]:
-        return self._call(self._async.generate(prompts, sampling, **kwargs))
-
-    def submit(
-        self, prompt: Prompt, sampling: p.SamplingParams | None = None, **kwargs: Any
-    ) -> concurrent.futures.Future[list[Rollout]]:
-        """Start one prompt; the returned future resolves to its rollouts."""
-        return asyncio.run_coroutine_threadsafe(self._async.submit(prompt, sampling, **kwargs), self._loop)
-
-    def stream(
-        self, prompt: Prompt, sampling: p.SamplingParams | None = None, **kwargs: Any
-    ) -> Iterator[TokenDelta | Rollout]:
-        agen = self._async.stream(prompt, sampling, **kwargs)
-        try:
-            while True:
-                try:
-                    yield self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._call(agen.aclose())
-
-    def cancel(self, job_ids: Sequence[str]) -> None:
-        self._call(self._async.cancel(job_ids))
-
-    def status(self) -> p.StatusReply:
-        return self._call(self._async.status())
-
-    def update_weights(self, source: Any, **kwargs: Any) -> Any:
-        """See ``AsyncRolloutClient.update_weights``."""
-        return self._call(self._async.update_weights(source, **kwargs))
-
-    def update_lora(self, tensors: Any, peft_config: Any, **kwargs: Any) -> Any:
-        """See ``AsyncRolloutClient.update_lora``."""
-        return self._call(self._async.update_lora(tensors, peft_config, **kwargs))
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._call(self._shutdown())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-            self._loop.close()
-
-    def __enter__(self) -> RolloutClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

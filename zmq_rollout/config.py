@@ -1,10 +1,15 @@
 """Settings of each component, with defaults a demanding user can keep.
 
+Each dataclass is the one source of its settings: the command line (``zmq-rollout broker``,
+``worker``, ``generate``, ``status``) is generated from its fields, with each field's
+docstring as its ``--help`` (``zmq_rollout.settings``), and so are the arguments of the
+worker processes a parent starts. Times are in seconds and their names end in ``_s``.
 Every timeout error names the setting here that changes it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -14,11 +19,11 @@ class BrokerConfig:
     """Where clients (trainers) connect."""
     backend: str = "tcp://*:5556"
     """Where workers connect."""
-    heartbeat_interval: float = 1.0
+    heartbeat_interval_s: float = 1.0
     """Seconds between the broker's heartbeats to workers, and its expiry checks."""
     worker_liveness: int = 5
-    """A worker silent for ``heartbeat_interval * worker_liveness`` seconds is purged and its jobs requeued."""
-    client_expiry: float = 60.0
+    """A worker silent for heartbeat_interval_s x worker_liveness is purged and its jobs requeued."""
+    client_expiry_s: float = 60.0
     """A client silent this long is treated as gone: its queued and running jobs are dropped."""
     max_queue_per_client: int = 100_000
     """Queued (not yet dispatched) jobs per client before its submissions get BUSY."""
@@ -27,33 +32,41 @@ class BrokerConfig:
     max_attempts: int = 3
     """A job whose worker dies this many times in a row fails instead of being requeued again."""
     max_message_bytes: int = 64 << 20
-    """Larger messages are refused with an error (weight data does not pass through the broker)."""
-    round_idle_timeout: float = 300.0
+    """Larger client messages are refused with an error (weight data does not pass through the broker)."""
+    round_idle_timeout_s: float = 300.0
     """A weight-sync round whose trainer sends no step for this long is aborted (its workers resume)."""
     metrics_port: int | None = None
-    """Port of the Prometheus ``/metrics`` endpoint (None: no endpoint)."""
+    """Port of the Prometheus /metrics endpoint (none: no endpoint; 0: any free port)."""
     metrics_host: str = "0.0.0.0"
-    """Interface of the ``/metrics`` endpoint (127.0.0.1 keeps it local)."""
+    """Interface of the /metrics endpoint (127.0.0.1 keeps it local)."""
 
     @property
-    def worker_expiry(self) -> float:
-        return self.heartbeat_interval * self.worker_liveness
+    def worker_expiry_s(self) -> float:
+        return self.heartbeat_interval_s * self.worker_liveness
 
 
 @dataclass
 class ClientConfig:
     address: str = "tcp://127.0.0.1:5555"
     """The broker's frontend."""
-    timeout: float | None = 600.0
-    """Seconds a ``generate``/``result`` call waits for its jobs (None: no limit)."""
-    request_timeout: float = 10.0
-    """Seconds a control call (``status``) waits for the broker's answer."""
-    heartbeat_interval: float = 5.0
-    """Seconds between the client's heartbeats; the broker drops a client's jobs after ``client_expiry``."""
+    timeout_s: float = 600.0
+    """Seconds a generate() or submit() call waits for its jobs (inf: no limit)."""
+    request_timeout_s: float = 10.0
+    """Seconds a control call (status, a sync step beyond its own timeout) waits for the broker."""
+    heartbeat_interval_s: float = 5.0
+    """Seconds between the client's heartbeats; the broker drops a silent client's jobs after client_expiry_s."""
     batch_size: int = 512
     """Jobs per SUBMIT message when a call submits many."""
     name: str = ""
-    """A label for this client in the broker's status and metrics."""
+    """A label for this client in the broker's status and metrics (default: client)."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "request_timeout_s", "heartbeat_interval_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0 and not math.isnan(value)):
+                raise ValueError(f"ClientConfig.{name} must be a positive number of seconds, got {value!r}")
+        if not (isinstance(self.batch_size, int) and self.batch_size > 0):
+            raise ValueError(f"ClientConfig.batch_size must be a positive integer, got {self.batch_size!r}")
 
 
 @dataclass
@@ -65,26 +78,39 @@ class WorkerConfig:
     name: str = ""
     """This worker's name in status and results (default: host-pid)."""
     gpus: str = ""
-    """Comma-separated GPU ids; empty: no GPU (the CPU build of vLLM)."""
+    """Comma-separated GPU ids, e.g. 0,1 (empty: vLLM's default device; the CPU build uses the CPU)."""
     tensor_parallel_size: int = 1
-    """GPUs per engine. ``--gpus 0,1`` with TP 1 runs two engines, with TP 2 one engine."""
+    """GPUs per engine: --gpus 0,1 with 1 runs two engines, with 2 one engine over both."""
     max_num_seqs: int = 64
-    """Sequences one engine runs at once; the worker announces this many credits per engine."""
+    """Sequences one engine runs at once (vLLM's max_num_seqs); the worker announces this many credits."""
     max_model_len: int = 2048
+    """Longest prompt + completion in tokens."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory for vLLM (on CPU: fraction of RAM for the KV cache)."""
+    """Fraction of GPU memory for vLLM (on CPU: fraction of RAM); ignored for the KV cache if kv_cache_gib is set."""
+    kv_cache_gib: float | None = None
+    """KV-cache size in GiB (vLLM's kv_cache_memory_bytes). Set it when engines share a device:
+    it skips vLLM's memory profiling, which counts the other engines' memory as its own."""
     dtype: str = "auto"
+    """Model dtype (auto: the checkpoint's)."""
     enforce_eager: bool = True
+    """No CUDA graphs or torch.compile (faster start; --no-enforce-eager for throughput)."""
     attention_backend: str | None = None
-    """vLLM attention backend (e.g. TRITON_ATTN); None lets vLLM choose."""
-    heartbeat_interval: float = 1.0
+    """vLLM attention backend (e.g. TRITON_ATTN); none lets vLLM choose."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between the worker's heartbeats to the broker."""
     broker_liveness: int = 5
-    """The worker reconnects fresh after ``heartbeat_interval * broker_liveness`` seconds of broker silence."""
+    """The worker reconnects fresh after heartbeat_interval_s x broker_liveness of broker silence."""
     metrics_port: int | None = None
+    """Port of this worker's /metrics (with --gpus, engine i uses this + i; none: no endpoint)."""
     seed: int = 0
+    """vLLM's engine seed."""
     enable_lora: bool = False
-    """Serve LoRA adapters pushed with ``update_lora`` (jobs name one in ``lora``)."""
+    """Serve LoRA adapters pushed with update_lora (jobs name one in lora=)."""
     max_lora_rank: int = 16
     """Largest adapter rank (vLLM accepts 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
     max_loras: int = 1
-    """Adapters one batch may mix; each pushed adapter stays loaded (``max_cpu_loras`` 4 times this)."""
+    """Adapters one batch may mix; each pushed adapter stays loaded (max_cpu_loras is 4 times this)."""
+
+    @property
+    def broker_expiry_s(self) -> float:
+        return self.heartbeat_interval_s * self.broker_liveness

@@ -6,7 +6,7 @@ import collections
 import tempfile
 import time
 
-from zmq_rollout.client import RolloutClient
+from zmq_rollout.blocking import RolloutClient
 from zmq_rollout.local import LocalCluster
 from zmq_rollout.protocol import SamplingParams
 from zmq_rollout.tiny_model import make_tiny_model

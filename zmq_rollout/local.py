@@ -1,7 +1,9 @@
 """A whole service on one machine: a broker thread plus real vLLM worker processes.
 
 ``LocalCluster`` owns everything it starts and stops exactly that; the demo, the examples
-and the integration tests use it.
+and the integration tests use it. It watches the broker the way any user can, through a
+client's ``status()``, never by reading the broker's state from another thread. The
+services (broker, workers) are imported when a cluster starts, not with this module.
 """
 
 from __future__ import annotations
@@ -11,21 +13,27 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from zmq_rollout.broker.server import BrokerThread
+from zmq_rollout import protocol as p
+from zmq_rollout.blocking import RolloutClient
 from zmq_rollout.config import BrokerConfig, WorkerConfig
 from zmq_rollout.errors import RolloutTimeoutError
 
+if TYPE_CHECKING:
+    from zmq_rollout.broker.server import BrokerThread
+
 log = logging.getLogger(__name__)
 
-# Defaults for workers started on this machine (tests, demo). On CPU builds of vLLM the
-# memory fraction is of RAM. ZMQ_ROLLOUT_ATTENTION_BACKEND picks the attention backend
-# (the GPU test runs set TRITON_ATTN).
+# Defaults for workers started on this machine (tests, demo). The KV cache is sized
+# explicitly: engines that share a device then start together reliably (vLLM's memory
+# profiling would count the others' memory as its own), and on a CPU it is a small slice
+# of RAM, not a fraction of it per engine. ZMQ_ROLLOUT_ATTENTION_BACKEND picks the
+# attention backend (the GPU runs set TRITON_ATTN).
 LOCAL_WORKER_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.1,
+    "kv_cache_gib": 0.25,
     "max_model_len": 1024,
     "max_num_seqs": 64,
     "attention_backend": os.environ.get("ZMQ_ROLLOUT_ATTENTION_BACKEND") or None,
@@ -50,23 +58,34 @@ class LocalCluster:
         self.broker: BrokerThread | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
+        self._client: RolloutClient | None = None
 
     @property
     def address(self) -> str:
-        assert self.broker is not None
+        """The broker's frontend (clients connect here)."""
+        assert self.broker is not None, "start() first"
         return self.broker.broker.frontend_address
 
-    def start(self, wait: float = 300.0) -> LocalCluster:
+    @property
+    def metrics_port(self) -> int | None:
+        """The broker's ``/metrics`` port, if ``broker_config.metrics_port`` asked for one."""
+        assert self.broker is not None, "start() first"
+        return self.broker.broker.metrics_port
+
+    def start(self, wait_s: float = 300.0) -> LocalCluster:
+        from zmq_rollout.broker.server import BrokerThread
+
         self.broker = BrokerThread(self.broker_config).__enter__()
+        self._client = RolloutClient(self.address, name="local-cluster")
         for i in range(self.num_workers):
             self.start_worker(f"worker-{i}")
-        self.wait_for_workers(self.num_workers, wait)
+        self.wait_for_workers(self.num_workers, wait_s)
         return self
 
     def start_worker(self, name: str) -> subprocess.Popen[bytes]:
-        from zmq_rollout.workers.main import cli_args
+        from zmq_rollout.workers.main import worker_command
 
-        assert self.broker is not None
+        assert self.broker is not None, "start() first"
         config = WorkerConfig(
             broker=self.broker.broker.backend_address, model=self.model, name=name, **self.worker_overrides
         )
@@ -74,27 +93,27 @@ class LocalCluster:
         if self.log_dir:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed in stop()
             self._logs.append(out)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "zmq_rollout.cli", "worker", *cli_args(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = subprocess.Popen(worker_command(config), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.workers[name] = proc
         return proc
 
-    def registered(self) -> list[str]:
-        assert self.broker is not None
-        return [w.info.name for w in list(self.broker.broker.scheduler.workers.values())]
+    def status(self) -> p.StatusReply:
+        """The broker's STATUS_REPLY."""
+        assert self._client is not None, "start() first"
+        return self._client.status()
 
-    def wait_for_workers(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def registered(self) -> list[str]:
+        """Names of the workers registered with the broker."""
+        return [w.name for w in self.status().workers]
+
+    def wait_for_workers(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while len(self.registered()) < count:
-            dead = {n: p.returncode for n, p in self.workers.items() if p.poll() is not None}
+            dead = {n: proc.returncode for n, proc in self.workers.items() if proc.poll() is not None}
             if dead:
                 raise RuntimeError(f"worker process(es) exited before registering: {dead}")
             if time.monotonic() > deadline:
-                raise RolloutTimeoutError(f"{len(self.registered())} of {count} workers registered after {timeout} s")
+                raise RolloutTimeoutError(f"{len(self.registered())} of {count} workers registered after {timeout_s} s")
             time.sleep(0.2)
 
     def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> int:
@@ -103,10 +122,10 @@ class LocalCluster:
         os.killpg(proc.pid, sig)
         return self.reap(name)
 
-    def reap(self, name: str, timeout: float = 60) -> int:
+    def reap(self, name: str, timeout_s: float = 60) -> int:
         """Wait for a worker process that is ending, forget it, return its exit code."""
         proc = self.workers.pop(name)
-        code = proc.wait(timeout=timeout)
+        code = proc.wait(timeout=timeout_s)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # leftovers of its group (engine processes)
         return code
@@ -121,6 +140,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if self._client is not None:
+            self._client.close()
         if self.broker is not None:
             self.broker.close()
         for f in self._logs:

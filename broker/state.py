@@ -1,0 +1,67 @@
+"""What the broker knows about each job, client and worker (plain records, no behaviour).
+
+Vocabulary: a worker announces **credits** (the sequences its engine runs at once, vLLM's
+``max_num_seqs``); a job costs ``sampling.n`` credits while it runs. A job is **queued**
+(in its client's queue) or **running** (on one worker, under a ticket).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from zmq_rollout import protocol as p
+
+WorkerId = bytes
+ClientId = bytes
+
+
+@dataclass(eq=False)
+class Job:
+    client: ClientId
+    spec: p.JobSpec
+    submitted_at: float
+    ticket: int = 0
+    dispatched_at: float = 0.0
+    attempts: int = 0
+    cancelled: bool = False
+
+    @property
+    def cost(self) -> int:
+        return self.spec.cost()
+
+
+@dataclass(eq=False)
+class ClientState:
+    identity: ClientId
+    name: str
+    last_seen: float
+    queue: deque[Job] = field(default_factory=deque)
+    queued: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, still in ``queue``
+    running: dict[str, tuple[WorkerId, int]] = field(default_factory=dict)  # job_id -> (worker, ticket)
+
+
+@dataclass(eq=False)
+class WorkerState:
+    identity: WorkerId
+    info: p.WorkerInfo
+    last_seen: float
+    credits: int
+    credits_used: int = 0
+    running: dict[int, Job] = field(default_factory=dict)  # ticket -> Job
+    weight_version: int = 0
+    accepting: bool = True
+    """False while a weight-sync round holds it, or while it is stale."""
+
+    @property
+    def credits_free(self) -> int:
+        return self.credits - self.credits_used
+
+    def load(self) -> float:
+        return self.credits_used / self.credits if self.credits else 1.0
+
+
+def peer_name(identity: bytes) -> str:
+    """A readable name for a peer: its identity if printable (our clients set one), else hex."""
+    text = identity.decode("ascii", "replace")
+    return text if text.isprintable() and "\ufffd" not in text else identity.hex()

@@ -1,0 +1,266 @@
+"""End to end over tcp loopback with REAL vLLM CPU workers (two) and the tiny model.
+
+One cluster serves the whole module (start-up costs about a minute on 2 cores). The test
+that SIGKILLs a worker starts a replacement, so the tests after it still have two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+from helpers import poll_until, scrape
+
+from zmq_rollout import (
+    AsyncRolloutClient,
+    InvalidRequestError,
+    JobCancelledError,
+    Rollout,
+    RolloutClient,
+    SamplingParams,
+    TokenDelta,
+    codec,
+)
+from zmq_rollout import protocol as p
+from zmq_rollout.config import BrokerConfig
+from zmq_rollout.local import LocalCluster
+
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 7)] for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    config = BrokerConfig(
+        frontend="tcp://127.0.0.1:*",
+        backend="tcp://127.0.0.1:*",
+        heartbeat_interval_s=0.5,
+        worker_liveness=10,  # expiry 5 s: quick for the SIGKILL test, tolerant of a loaded 2-core CI machine
+        metrics_port=0,
+        metrics_host="127.0.0.1",
+    )
+    logs = tmp_path_factory.mktemp("logs")
+    c = LocalCluster(tiny_model, num_workers=2, broker_config=config, log_dir=str(logs))
+    try:
+        c.start(wait_s=300)
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture()
+def client(cluster: LocalCluster):
+    with RolloutClient(cluster.address, timeout_s=300) as c:
+        yield c
+
+
+def reference(model: str, jobs: list[tuple[list[int], dict]]) -> list[list[list[int]]]:
+    """Token ids from direct vLLM (tests/vllm_reference.py in its own process)."""
+    script = Path(__file__).with_name("vllm_reference.py")
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        input=json.dumps({"model": model, "jobs": jobs}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("REFERENCE "))
+    return json.loads(line[len("REFERENCE ") :])["outputs"]
+
+
+def by_prompt(rollouts: list[Rollout]) -> list[list[list[int]]]:
+    grouped: dict[int, list[Rollout]] = {}
+    for r in rollouts:
+        grouped.setdefault(r.prompt_index, []).append(r)
+    return [[r.token_ids for r in sorted(grouped[i], key=lambda r: r.index)] for i in sorted(grouped)]
+
+
+def test_token_ids_identical_to_direct_vllm(cluster: LocalCluster, client: RolloutClient, tiny_model: str) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=4321, ignore_eos=True)
+    got = by_prompt(client.generate(PROMPTS, greedy)) + by_prompt(client.generate(PROMPTS, seeded))
+    as_dict = lambda s: {
+        "n": s.n,
+        "temperature": s.temperature,
+        "max_tokens": s.max_tokens,
+        "seed": s.seed,
+        "ignore_eos": True,
+    }
+    want = reference(
+        tiny_model, [(ids, as_dict(greedy)) for ids in PROMPTS] + [(ids, as_dict(seeded)) for ids in PROMPTS]
+    )
+    assert got == want
+    assert all(len(s) == 12 for group in got for s in group)
+
+
+def test_rollout_fields_for_a_trainer(client: RolloutClient) -> None:
+    rollouts = client.generate(
+        ["hello there", [{"role": "user", "content": "hi"}], [5, 6, 7]],
+        SamplingParams(n=3, max_tokens=8, seed=1, ignore_eos=True),
+    )
+    assert len(rollouts) == 9
+    assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [r.index for r in rollouts] == [0, 1, 2] * 3
+    for r in rollouts:
+        assert len(r.token_ids) == len(r.logprobs) == 8
+        assert all(lp <= 0.0 for lp in r.logprobs)
+        assert r.finish_reason == "length"
+        assert r.weight_version == 0
+        assert r.worker_id in ("worker-0", "worker-1", "worker-2")
+    assert rollouts[0].prompt_token_ids == list(b"hello there")  # byte-level tokenizer
+    assert rollouts[6].prompt_token_ids == [5, 6, 7]
+    assert len(rollouts[3].prompt_token_ids) > 2  # chat template applied
+    # n samples of one seeded prompt differ from each other
+    assert len({tuple(r.token_ids) for r in rollouts[:3]}) > 1
+
+
+def test_top_logprobs(client: RolloutClient) -> None:
+    (r,) = client.generate([[10, 11, 12]], SamplingParams(max_tokens=4, logprobs=3, seed=2, ignore_eos=True))
+    assert r.top_logprobs is not None and len(r.top_logprobs) == 4
+    for position, chosen in zip(r.top_logprobs, r.logprobs, strict=False):
+        assert 3 <= len(position) <= 4  # top-3, plus the sampled token if it ranks lower
+        assert max(position.values()) >= chosen - 1e-6
+
+
+def test_streaming_deltas_add_up_to_the_final(cluster: LocalCluster) -> None:
+    async def go() -> tuple[list[TokenDelta], list[Rollout]]:
+        async with AsyncRolloutClient(cluster.address, timeout_s=300) as c:
+            deltas, finals = [], []
+            async for item in c.stream([9, 8, 7], SamplingParams(n=2, max_tokens=16, seed=3, ignore_eos=True)):
+                (deltas if isinstance(item, TokenDelta) else finals).append(item)
+            return deltas, finals
+
+    deltas, finals = asyncio.run(go())
+    assert len(finals) == 2
+    assert len(deltas) > 2  # tokens arrived in more than one piece per sample
+    for final in finals:
+        streamed = [t for d in deltas if d.index == final.index for t in d.token_ids]
+        assert streamed == final.token_ids
+        assert len(final.token_ids) == 16
+
+
+def test_cancel_running_job_frees_credits(cluster: LocalCluster) -> None:
+    cancelled_before = cluster.status().totals.cancelled
+
+    async def go() -> None:
+        async with AsyncRolloutClient(cluster.address, timeout_s=300) as c:
+            # 32 samples x 1000 tokens: many seconds of work, so the cancel lands mid-job.
+            job = SamplingParams(n=32, max_tokens=1000, ignore_eos=True)
+            stream = c.stream([1, 2, 3], job)
+            first = await stream.__anext__()  # tokens are flowing: the job runs on a worker
+            assert isinstance(first, TokenDelta)
+            with pytest.raises(JobCancelledError):
+                await c.cancel([first.job_id])
+                async for _ in stream:
+                    pass
+            quick = await c.generate([[4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
+            assert len(quick[0].token_ids) == 4
+
+    asyncio.run(go())
+    poll_until(lambda: all(w.running == 0 for w in cluster.status().workers), 10, "the workers to be idle")
+    assert cluster.status().totals.cancelled == cancelled_before + 1
+
+
+def _raw_submit(address: str, header: bytes) -> list[bytes]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart([p.SIGNATURE, p.SUBMIT, header])
+        assert sock.poll(120_000), "no answer from the broker"
+        frames = sock.recv_multipart()
+        while frames[1] == p.ACCEPTED:
+            assert sock.poll(120_000), "no answer after ACCEPTED"
+            frames = sock.recv_multipart()
+        return frames
+    finally:
+        sock.close()
+
+
+def malformed_total(cluster: LocalCluster) -> float:
+    assert cluster.metrics_port is not None
+    metrics = scrape(cluster.metrics_port)
+    return sum(v for k, v in metrics.items() if k.startswith("zmq_rollout_malformed_messages_total"))
+
+
+def test_bad_input_gets_clear_errors_while_other_jobs_finish(cluster: LocalCluster, client: RolloutClient) -> None:
+    good = client.submit([3, 4, 5], SamplingParams(max_tokens=64, ignore_eos=True))
+    # Impossible sampling never leaves the client.
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        client.generate(["x"], _bad_sampling())
+    # Too long for the model: the worker refuses it with a clear message.
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        client.generate([[1, 2]], SamplingParams(max_tokens=5000))
+    # Token id beyond the vocabulary.
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        client.generate([[100_000]], SamplingParams(max_tokens=2))
+    # Malformed frames straight onto the wire.
+    malformed_before = malformed_total(cluster)
+    frames = _raw_submit(cluster.address, b"\xc1garbage")
+    assert frames[1] == p.ERROR
+    err = codec.Decoder(codec.TO_CLIENT).decode(frames).body[0]
+    assert err.code == "protocol" and "submit" in err.message
+    bad_job = codec.encode_body([["raw-1", [1, -3.0]], ["raw-2"]])  # temperature -3; no prompt
+    frames = _raw_submit(cluster.address, bad_job)
+    errors = codec.Decoder(codec.TO_CLIENT).decode(frames).body
+    assert {e.key for e in errors} >= {"raw-1"}
+    assert malformed_total(cluster) >= malformed_before + 2
+    # The well-formed job submitted first still finishes.
+    assert len(good.result(timeout=300)[0].token_ids) == 64
+
+
+def _bad_sampling() -> SamplingParams:
+    s = SamplingParams()
+    s.temperature = -1.0  # bypasses __post_init__, as a buggy caller might
+    return s
+
+
+def test_seeded_long_prompts_in_one_batch_keep_the_engine_alive(cluster: LocalCluster, client: RolloutClient) -> None:
+    """vLLM's CPU runner dies if a seeded prompt's prefill is split into chunks; the worker
+    turns chunked prefill off there. Three 900-token seeded prompts at once would be split."""
+    prompts = [[(i * 31 + j) % 250 + 3 for j in range(900)] for i in range(3)]
+    rollouts = client.generate(prompts, SamplingParams(max_tokens=8, seed=11, ignore_eos=True))
+    assert [len(r.token_ids) for r in rollouts] == [8, 8, 8]
+    assert all(proc.poll() is None for proc in cluster.workers.values())  # no engine died
+    cluster.wait_for_workers(2, 60)
+
+
+def test_engine_crash_exits_worker_nonzero(cluster: LocalCluster) -> None:
+    name = "worker-1"
+    proc = cluster.workers[name]
+    engine_cores = list(psutil.Process(proc.pid).children(recursive=True))
+    assert engine_cores, "the worker has no engine process"
+    for child in engine_cores:
+        child.send_signal(signal.SIGKILL)
+    assert cluster.reap(name) == 3  # EXIT_ENGINE_DEAD
+    poll_until(lambda: name not in cluster.registered(), 30, f"{name} to leave the broker")
+    cluster.start_worker("worker-2")
+    cluster.wait_for_workers(2, 300)
+
+
+def test_sigkilled_worker_jobs_finish_elsewhere_exactly_once(cluster: LocalCluster, client: RolloutClient) -> None:
+    before = cluster.status().totals
+    futures = [
+        client.submit([i + 3, i + 4], SamplingParams(max_tokens=200, ignore_eos=True, seed=i)) for i in range(24)
+    ]
+
+    def a_busy_victim() -> tuple[str, int] | None:
+        busy = {w.name: w.running for w in cluster.status().workers if w.running}
+        name = next((n for n in busy if n != "worker-0"), None) if len(busy) > 1 else None
+        return (name, busy[name]) if name else None
+
+    victim, running_on_victim = poll_until(a_busy_victim, 60, "jobs on two workers")
+    cluster.kill_worker(victim, signal.SIGKILL)
+    results = [f.result(timeout=300) for f in futures]
+    assert all(len(r) == 1 and len(r[0].token_ids) == 200 for r in results)
+    after = cluster.status().totals
+    assert after.requeued - before.requeued >= running_on_victim > 0
+    assert after.completed - before.completed == 24  # each job's final exactly once

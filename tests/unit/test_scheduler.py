@@ -1,0 +1,563 @@
+"""The broker's pure scheduler, driven event by event: no sockets, no threads, no clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zmq_rollout import protocol as p
+from zmq_rollout.broker.outbox import CLIENT, WORKER
+from zmq_rollout.broker.scheduler import Scheduler
+from zmq_rollout.config import BrokerConfig
+
+A, B = b"client-a", b"client-b"
+W1, W2 = b"worker-1", b"worker-2"
+
+Sent = list[tuple[int, bytes, bytes, Any]]
+
+
+def make(**config: Any) -> Scheduler:
+    return Scheduler(BrokerConfig(**config))
+
+
+def job(job_id: str, n: int = 1, **fields: Any) -> p.JobSpec:
+    return p.JobSpec(job_id, p.SamplingParams(n=n), prompt="hi", **fields)
+
+
+def jobs(prefix: str, count: int) -> list[p.JobSpec]:
+    return [job(f"{prefix}{i}") for i in range(count)]
+
+
+def ready(s: Scheduler, worker: bytes, credits: int, *, version: int = 0, now: float = 0.0) -> None:
+    s.worker_ready(worker, p.WorkerInfo(worker.decode(), "tiny", credits, version), now)
+
+
+def body(sent: Sent, side: int, peer: bytes, command: bytes) -> Any:
+    """The body sent to ``peer`` with ``command`` in one drain (None if nothing was)."""
+    found = [b for s, i, c, b in sent if (s, i, c) == (side, peer, command)]
+    assert len(found) <= 1, "the outbox coalesces one message per peer and command"
+    return found[0] if found else None
+
+
+def assigned(sent: Sent, worker: bytes) -> list[p.Assignment]:
+    return body(sent, WORKER, worker, p.JOBS) or []
+
+
+def assigned_ids(sent: Sent, worker: bytes) -> list[str]:
+    return [a.job.job_id for a in assigned(sent, worker)]
+
+
+def finish(s: Scheduler, worker: bytes, assignments: list[p.Assignment], now: float = 1.0) -> None:
+    results = [p.Result(a.ticket, [1], [p.Sample(0, [2], [-0.5], "stop")], 0, worker.decode()) for a in assignments]
+    s.worker_final(worker, results, now)
+
+
+def commands(sent: Sent, peer: bytes) -> set[bytes]:
+    return {c for _, i, c, _ in sent if i == peer}
+
+
+# -- dispatch -----------------------------------------------------------------------------
+def test_submit_without_workers_queues_and_accepts() -> None:
+    s = make()
+    s.submit(A, jobs("a", 3), now=0.0)
+    sent = s.outbox.take()
+    assert sent == [(CLIENT, A, p.ACCEPTED, ["a0", "a1", "a2"])]
+    assert s.num_queued == 3
+    assert s.stats.submitted == 3
+
+
+def test_dispatch_only_to_workers_with_free_credits() -> None:
+    s = make()
+    ready(s, W1, 1)
+    ready(s, W2, 0)
+    s.submit(A, jobs("a", 3), now=0.0)
+    sent = s.outbox.take()
+    assert assigned_ids(sent, W1) == ["a0"]
+    assert assigned(sent, W2) == []
+    assert s.num_queued == 2
+    finish(s, W1, assigned(sent, W1))
+    sent = s.outbox.take()
+    assert assigned_ids(sent, W1) == ["a1"]
+    assert assigned(sent, W2) == []
+
+
+def test_credit_update_opens_a_worker() -> None:
+    s = make()
+    ready(s, W1, 0)
+    s.submit(A, jobs("a", 2), now=0.0)
+    s.outbox.take()
+    s.worker_credit(W1, 2, now=1.0)
+    assert assigned_ids(s.outbox.take(), W1) == ["a0", "a1"]
+
+
+def test_least_loaded_worker_first() -> None:
+    s = make()
+    ready(s, W1, 4)
+    ready(s, W2, 4)
+    s.submit(A, jobs("a", 4), now=0.0)
+    sent = s.outbox.take()
+    assert len(assigned(sent, W1)) == 2
+    assert len(assigned(sent, W2)) == 2
+
+
+def test_new_worker_takes_work_before_a_loaded_one() -> None:
+    s = make()
+    ready(s, W1, 4)
+    s.submit(A, jobs("a", 3), now=0.0)
+    s.outbox.take()
+    ready(s, W2, 4)
+    s.submit(A, jobs("b", 2), now=1.0)
+    sent = s.outbox.take()
+    # W1 is at 3/4; W2 at 0/4 takes both (after the first it is at 1/4, still less loaded).
+    assert assigned_ids(sent, W2) == ["b0", "b1"]
+    assert assigned(sent, W1) == []
+
+
+def test_cost_is_n_credits() -> None:
+    s = make()
+    ready(s, W1, 4)
+    s.submit(A, [job("a0", n=3), job("a1", n=2)], now=0.0)
+    sent = s.outbox.take()
+    assert assigned_ids(sent, W1) == ["a0"]
+    assert s.workers[W1].credits_used == 3
+    assert s.workers[W1].credits_free == 1
+    # A job that fits in the one credit left still goes (another client's, A's head is blocked).
+    s.submit(B, [job("b0", n=1)], now=0.0)
+    assert assigned_ids(s.outbox.take(), W1) == ["b0"]
+    assert s.workers[W1].credits_free == 0
+    assert s.num_queued == 1
+
+
+def test_job_larger_than_capacity_runs_alone_on_an_idle_worker() -> None:
+    s = make()
+    ready(s, W1, 2)
+    s.submit(A, [job("small", n=1), job("big", n=5), job("after", n=1)], now=0.0)
+    sent = s.outbox.take()
+    assert assigned_ids(sent, W1) == ["small"]  # "big" waits until the worker is idle
+    finish(s, W1, assigned(sent, W1))
+    sent = s.outbox.take()
+    assert assigned_ids(sent, W1) == ["big"]
+    assert s.workers[W1].credits_used == 5
+    assert s.num_queued == 1  # nothing joins an over-committed worker
+    finish(s, W1, assigned(sent, W1))
+    assert assigned_ids(s.outbox.take(), W1) == ["after"]
+
+
+def test_fair_sharing_interleaves_a_later_client() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, jobs("a", 100), now=0.0)
+    order = [a.job.job_id for a in assigned(s.outbox.take(), W1)]
+    s.submit(B, jobs("b", 10), now=0.5)
+    running = [*s.workers[W1].running.values()]
+    for _ in range(25):
+        ticket = running[0].ticket
+        s.worker_final(W1, [p.Result(ticket, [1], [], 0, "w")], now=1.0)
+        new = assigned(s.outbox.take(), W1)
+        order += [a.job.job_id for a in new]
+        running = [*s.workers[W1].running.values()]
+    b_positions = [i for i, jid in enumerate(order) if jid.startswith("b")]
+    assert len(b_positions) == 10
+    # One job per client in turn: B's ten jobs alternate with A's, not after A's hundred.
+    assert b_positions == list(range(2, 22, 2))
+
+
+def test_outbox_coalesces_one_jobs_message_per_worker() -> None:
+    s = make()
+    ready(s, W1, 64)
+    s.submit(A, jobs("a", 64), now=0.0)
+    sent = s.outbox.take()
+    assert [(side, peer, cmd) for side, peer, cmd, _ in sent] == [
+        (WORKER, W1, p.JOBS),  # workers first: their work starts sooner
+        (CLIENT, A, p.ACCEPTED),
+    ]
+    assert len(assigned(sent, W1)) == 64
+    assert len({a.ticket for a in assigned(sent, W1)}) == 64
+
+
+# -- bounds and duplicates ----------------------------------------------------------------
+def test_per_client_queue_bound_answers_busy() -> None:
+    s = make(max_queue_per_client=3)
+    s.submit(A, jobs("a", 5), now=0.0)
+    sent = s.outbox.take()
+    assert body(sent, CLIENT, A, p.ACCEPTED) == ["a0", "a1", "a2"]
+    busy = body(sent, CLIENT, A, p.BUSY)
+    assert [e.key for e in busy] == ["a3", "a4"]
+    assert {e.code for e in busy} == {"busy"}
+    assert "max_queue_per_client" in busy[0].message
+    assert s.stats.rejected_busy == 2
+    # The bound is per client: B still gets in.
+    s.submit(B, jobs("b", 3), now=0.0)
+    assert body(s.outbox.take(), CLIENT, B, p.ACCEPTED) == ["b0", "b1", "b2"]
+
+
+def test_global_queue_bound_answers_busy() -> None:
+    s = make(max_queue_total=4)
+    s.submit(A, jobs("a", 3), now=0.0)
+    s.submit(B, jobs("b", 3), now=0.0)
+    sent = s.outbox.take()
+    assert body(sent, CLIENT, B, p.ACCEPTED) == ["b0"]
+    assert [e.key for e in body(sent, CLIENT, B, p.BUSY)] == ["b1", "b2"]
+    assert s.stats.rejected_busy == 2
+    assert s.num_queued == 4
+
+
+def test_dispatched_jobs_leave_room_in_the_queue() -> None:
+    s = make(max_queue_per_client=2)
+    ready(s, W1, 2)
+    s.submit(A, jobs("a", 2), now=0.0)  # both dispatched at once
+    s.submit(A, jobs("b", 2), now=0.0)  # so two more fit in the queue
+    s.submit(A, jobs("c", 1), now=0.0)  # and then it is full
+    sent = s.outbox.take()
+    assert body(sent, CLIENT, A, p.ACCEPTED) == ["a0", "a1", "b0", "b1"]
+    assert [e.key for e in body(sent, CLIENT, A, p.BUSY)] == ["c0"]
+
+
+def test_duplicate_job_id_is_an_error() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, [job("x"), job("y")], now=0.0)  # x runs, y is queued
+    s.outbox.take()
+    s.submit(A, [job("x"), job("y"), job("z")], now=0.0)
+    sent = s.outbox.take()
+    errors = body(sent, CLIENT, A, p.ERROR)
+    assert [(e.key, e.code) for e in errors] == [("x", "invalid_request"), ("y", "invalid_request")]
+    assert "already in flight" in errors[0].message
+    assert body(sent, CLIENT, A, p.ACCEPTED) == ["z"]
+    assert s.stats.rejected_invalid == 2
+    # Job ids are per client.
+    s.submit(B, [job("x")], now=0.0)
+    assert body(s.outbox.take(), CLIENT, B, p.ACCEPTED) == ["x"]
+
+
+# -- cancel and departures ----------------------------------------------------------------
+def test_cancel_queued_job_is_never_dispatched() -> None:
+    s = make()
+    s.submit(A, jobs("a", 2), now=0.0)
+    s.outbox.take()
+    s.cancel(A, ["a0"], now=0.1)
+    sent = s.outbox.take()
+    (err,) = body(sent, CLIENT, A, p.ERROR)
+    assert (err.key, err.code) == ("a0", "cancelled")
+    assert s.num_queued == 1
+    assert s.stats.cancelled == 1
+    ready(s, W1, 4)
+    assert assigned_ids(s.outbox.take(), W1) == ["a1"]
+
+
+def test_cancel_running_job_aborts_it_on_its_worker() -> None:
+    s = make()
+    ready(s, W1, 2)
+    s.submit(A, jobs("a", 1), now=0.0)
+    (assignment,) = assigned(s.outbox.take(), W1)
+    s.cancel(A, ["a0"], now=0.1)
+    sent = s.outbox.take()
+    assert body(sent, WORKER, W1, p.CANCEL) == [assignment.ticket]
+    assert [(e.key, e.code) for e in body(sent, CLIENT, A, p.ERROR)] == [("a0", "cancelled")]
+    assert s.workers[W1].credits_used == 0
+    assert s.workers[W1].running == {}
+    # Its result, if the worker had already sent it, is dropped: the client had its one answer.
+    finish(s, W1, [assignment])
+    assert body(s.outbox.take(), CLIENT, A, p.FINAL) is None
+    assert s.stats.late_replies == 1
+    assert s.stats.completed == 0
+
+
+def test_cancel_running_job_dispatches_into_the_freed_credits() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, jobs("a", 1), now=0.0)
+    s.submit(B, jobs("b", 1), now=0.0)  # waits for W1's only credit
+    s.outbox.take()
+    s.cancel(A, ["a0"], now=0.1)
+    # Nothing else will happen on this idle worker: the cancel itself must dispatch b0.
+    assert assigned_ids(s.outbox.take(), W1) == ["b0"]
+
+
+def test_cancel_unknown_job_sends_nothing() -> None:
+    s = make()
+    s.cancel(A, ["nope"], now=0.0)
+    assert s.outbox.take() == []
+    assert s.stats.cancelled == 0
+
+
+def test_client_gone_drops_queue_and_cancels_running() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, jobs("a", 3), now=0.0)
+    (assignment,) = assigned(s.outbox.take(), W1)
+    s.client_gone(A, "client disconnected", 1.0)
+    sent = s.outbox.take()
+    assert body(sent, WORKER, W1, p.CANCEL) == [assignment.ticket]
+    assert commands(sent, A) == set()  # nobody to tell
+    assert A not in s.clients
+    assert s.num_queued == 0
+    assert s.workers[W1].credits_used == 0
+    assert s.stats.dropped_client_gone == 3
+    # Nothing of A's is dispatched later.
+    s.submit(B, jobs("b", 2), now=1.0)
+    sent = s.outbox.take()
+    assert assigned_ids(sent, W1) == ["b0"]
+
+
+def test_client_gone_dispatches_other_clients_into_the_freed_credits() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, jobs("a", 1), now=0.0)
+    s.submit(B, jobs("b", 1), now=0.0)
+    s.outbox.take()
+    s.client_gone(A, "client disconnected", 1.0)
+    assert assigned_ids(s.outbox.take(), W1) == ["b0"]
+
+
+def test_silent_client_expires_on_tick() -> None:
+    s = make(client_expiry_s=10.0)
+    s.submit(A, jobs("a", 2), now=0.0)
+    s.client_seen(B, now=5.0)
+    s.tick(9.0)
+    assert A in s.clients
+    s.tick(10.5)
+    assert A not in s.clients
+    assert B in s.clients
+    assert s.num_queued == 0
+    assert s.stats.dropped_client_gone == 2
+
+
+# -- workers: expiry, requeue, failures ---------------------------------------------------
+def test_tick_sends_heartbeats_to_workers() -> None:
+    s = make()
+    ready(s, W1, 1)
+    ready(s, W2, 1)
+    s.client_seen(A, now=0.0)  # clients get no heartbeat from tick
+    s.tick(0.5)
+    sent = s.outbox.take()
+    assert {(side, peer) for side, peer, cmd, _ in sent if cmd == p.HEARTBEAT} == {
+        (WORKER, W1),
+        (WORKER, W2),
+    }
+
+
+def test_expired_worker_jobs_are_requeued_at_the_front_and_late_final_is_dropped() -> None:
+    s = make(heartbeat_interval_s=1.0, worker_liveness=3)  # expiry after 3 s of silence
+    ready(s, W1, 2, now=0.0)
+    s.submit(A, jobs("a", 3), now=0.0)
+    old = assigned(s.outbox.take(), W1)
+    assert [a.job.job_id for a in old] == ["a0", "a1"]
+    s.tick(2.9)
+    assert W1 in s.workers
+    s.outbox.take()
+
+    s.tick(3.5)
+    sent = s.outbox.take()
+    assert (WORKER, W1, p.DISCONNECT) in [(side, peer, cmd) for side, peer, cmd, _ in sent]
+    assert (WORKER, W1, p.HEARTBEAT) not in [(side, peer, cmd) for side, peer, cmd, _ in sent]
+    assert W1 not in s.workers
+    assert s.stats.workers_expired == 1
+    assert s.stats.requeued == 2
+    assert s.num_queued == 3
+
+    ready(s, W2, 8, now=3.6)
+    new = assigned(s.outbox.take(), W2)
+    assert [a.job.job_id for a in new] == ["a0", "a1", "a2"]  # requeued ahead of a2, in order
+    assert {a.ticket for a in new}.isdisjoint({a.ticket for a in old})
+
+    # The expired worker's late FINAL under an old ticket: dropped, and it is told to reconnect.
+    finish(s, W1, old, now=3.7)
+    sent = s.outbox.take()
+    assert body(sent, CLIENT, A, p.FINAL) is None
+    assert (WORKER, W1, p.DISCONNECT) in [(side, peer, cmd) for side, peer, cmd, _ in sent]
+    assert s.stats.unknown_worker_messages == 1
+
+    finish(s, W2, new, now=3.8)
+    finals = body(s.outbox.take(), CLIENT, A, p.FINAL)
+    assert sorted(r.key for r in finals) == ["a0", "a1", "a2"]  # exactly one each
+    assert s.stats.completed == 3
+
+
+def test_job_fails_after_max_attempts() -> None:
+    s = make(heartbeat_interval_s=1.0, worker_liveness=1, max_attempts=2)
+    ready(s, W1, 1, now=0.0)
+    s.submit(A, jobs("a", 1), now=0.0)
+    s.tick(2.0)  # W1 expires: attempt 1 lost, requeued
+    assert s.num_queued == 1
+    ready(s, W2, 1, now=2.0)
+    assert assigned_ids(s.outbox.take(), W2) == ["a0"]
+    s.tick(4.0)  # W2 expires: attempt 2 lost, that is max_attempts
+    sent = s.outbox.take()
+    (err,) = body(sent, CLIENT, A, p.ERROR)
+    assert (err.key, err.code) == ("a0", "job_failed")
+    assert "max_attempts" in err.message
+    assert s.num_queued == 0
+    assert s.clients[A].running == {}
+    assert s.stats.failed == 1
+    assert s.stats.requeued == 1
+
+
+def test_worker_disconnect_requeues_immediately() -> None:
+    s = make()
+    ready(s, W1, 1)
+    ready(s, W2, 0)
+    s.submit(A, jobs("a", 1), now=0.0)
+    s.outbox.take()
+    s.worker_gone(W1, "worker left", now=0.5)
+    s.worker_credit(W2, 1, now=0.6)
+    assert assigned_ids(s.outbox.take(), W2) == ["a0"]
+    assert s.stats.requeued == 1
+
+
+def test_unknown_worker_is_told_to_disconnect() -> None:
+    s = make()
+    for event in (
+        lambda: s.worker_final(W1, [p.Result(1, [1], [], 0, "w")], 0.0),
+        lambda: s.worker_partial(W1, [p.Delta(1, 0, [1], [0.0])], 0.0),
+        lambda: s.worker_error(W1, [p.ErrorItem(1, "internal", "x")], 0.0),
+        lambda: s.worker_credit(W1, 5, 0.0),
+        lambda: s.worker_seen(W1, 0.0),
+    ):
+        event()
+        assert s.outbox.take() == [(WORKER, W1, p.DISCONNECT, None)]
+    assert s.stats.unknown_worker_messages == 5
+    assert W1 not in s.workers
+
+
+def test_min_weight_version_never_dispatches_to_an_older_worker() -> None:
+    s = make()
+    ready(s, W1, 4, version=1)
+    s.submit(A, [job("new", min_weight_version=2)], now=0.0)
+    s.submit(B, [job("any")], now=0.0)
+    sent = s.outbox.take()
+    assert assigned_ids(sent, W1) == ["any"]  # A waits without blocking B
+    assert s.num_queued == 1
+    ready(s, W2, 4, version=2)
+    assert assigned_ids(s.outbox.take(), W2) == ["new"]
+
+
+def test_weight_version_update_on_ready_unblocks_jobs() -> None:
+    s = make()
+    ready(s, W1, 4, version=1)
+    s.submit(A, [job("new", min_weight_version=2)], now=0.0)
+    assert assigned(s.outbox.take(), W1) == []
+    ready(s, W1, 4, version=2)  # re-READY after a weight update
+    assert assigned_ids(s.outbox.take(), W1) == ["new"]
+
+
+def test_worker_error_is_forwarded_with_the_job_id() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, jobs("a", 2), now=0.0)
+    (assignment,) = assigned(s.outbox.take(), W1)
+    s.worker_error(W1, [p.ErrorItem(assignment.ticket, "invalid_request", "prompt too long")], now=1.0)
+    sent = s.outbox.take()
+    (err,) = body(sent, CLIENT, A, p.ERROR)
+    assert (err.key, err.code, err.message) == ("a0", "invalid_request", "prompt too long")
+    assert s.stats.failed == 1
+    assert assigned_ids(sent, W1) == ["a1"]  # its credit went to the next job
+
+
+def test_partials_are_forwarded_with_the_job_id() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, [job("a0", stream=True)], now=0.0)
+    (assignment,) = assigned(s.outbox.take(), W1)
+    s.worker_partial(W1, [p.Delta(assignment.ticket, 0, [5, 6], [-0.5, -0.25])], now=0.5)
+    assert body(s.outbox.take(), CLIENT, A, p.PARTIAL) == [p.Delta("a0", 0, [5, 6], [-0.5, -0.25])]
+    s.worker_partial(W1, [p.Delta(assignment.ticket + 100, 0, [1], [0.0])], now=0.5)
+    assert s.outbox.take() == []
+    assert s.stats.late_replies == 1
+
+
+def test_final_is_forwarded_with_the_job_id_and_counted() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, jobs("a", 1), now=0.0)
+    (assignment,) = assigned(s.outbox.take(), W1)
+    s.worker_final(
+        W1,
+        [p.Result(assignment.ticket, [1, 2], [p.Sample(0, [3], [-1.0], "stop")], 4, "w1")],
+        now=0.3,
+    )
+    (result,) = body(s.outbox.take(), CLIENT, A, p.FINAL)
+    assert result == p.Result("a0", [1, 2], [p.Sample(0, [3], [-1.0], "stop")], 4, "w1")
+    assert s.stats.completed == 1
+    assert s.stats.job_latency.count == 1
+    assert abs(s.stats.job_latency.total - 0.3) < 1e-9
+    assert s.clients[A].running == {}
+
+
+# -- status -------------------------------------------------------------------------------
+def test_status_numbers() -> None:
+    s = make()
+    ready(s, W1, 2, version=3, now=0.0)
+    s.submit(A, jobs("a", 5), now=0.0)
+    s.submit(B, jobs("b", 1), now=0.0)
+    s.outbox.take()
+    status = s.status(now=1.5)
+    assert (status.queued, status.running) == (4, 2)
+    (worker,) = status.workers
+    assert (
+        worker.name,
+        worker.state,
+        worker.model,
+        worker.credits,
+        worker.running,
+        worker.weight_version,
+    ) == ("worker-1", "ready", "tiny", 2, 2, 3)
+    assert worker.idle_s == 1.5
+    assert {c.name: (c.queued, c.running) for c in status.clients} == {
+        "client-a": (3, 2),
+        "client-b": (1, 0),
+    }
+
+
+def test_status_names_unprintable_identities_in_hex() -> None:
+    s = make()
+    s.client_seen(b"\x00\x8f\x01", now=0.0)
+    assert [c.name for c in s.status(0.0).clients] == ["008f01"]
+
+
+def test_outbox_keeps_order_per_peer_and_merges_runs() -> None:
+    from zmq_rollout.broker.outbox import Outbox
+
+    box = Outbox()
+    box.to_client(b"c", p.FINAL, "A-final")
+    box.to_client(b"c", p.PARTIAL, "B-delta")
+    box.to_client(b"c", p.FINAL, "B-final")
+    box.to_client(b"c", p.FINAL, "C-final")
+    box.to_worker(b"w", p.JOBS, "job-7")
+    box.to_worker(b"w", p.CANCEL, 7)
+    box.to_worker(b"w", p.HEARTBEAT, None)
+    box.to_worker(b"w", p.HEARTBEAT, None)
+    sent = [(side, ident, cmd, body) for side, ident, cmd, body in box.take()]
+    assert [(cmd, body) for _, ident, cmd, body in sent if ident == b"c"] == [
+        (p.FINAL, ["A-final"]),
+        (p.PARTIAL, ["B-delta"]),
+        (p.FINAL, ["B-final", "C-final"]),
+    ]
+    assert [(cmd, body) for _, ident, cmd, body in sent if ident == b"w"] == [
+        (p.JOBS, ["job-7"]),
+        (p.CANCEL, [7]),
+        (p.HEARTBEAT, None),
+    ]
+    assert len(box) == 0
+
+
+def test_partial_then_final_of_one_job_reach_the_client_in_order() -> None:
+    s = Scheduler(BrokerConfig())
+    s.worker_ready(W1, p.WorkerInfo("w1", "m", 4), 0.0)
+    s.submit(A, [p.JobSpec("j1", prompt="x", stream=True), p.JobSpec("j2", prompt="y", stream=True)], 0.0)
+    tickets = {a.job.job_id: a.ticket for _, ident, cmd, body in s.outbox.take() if cmd == p.JOBS for a in body}
+    s.worker_final(W1, [p.Result(tickets["j1"], [1], [], 0, "w1")], 1.0)
+    s.worker_partial(W1, [p.Delta(tickets["j2"], 0, [5], [-0.1])], 1.0)
+    s.worker_final(W1, [p.Result(tickets["j2"], [1], [], 0, "w1")], 1.0)
+    to_a = [(cmd, [x.key for x in body]) for _, ident, cmd, body in s.outbox.take() if ident == A]
+    assert to_a == [(p.FINAL, ["j1"]), (p.PARTIAL, ["j2"]), (p.FINAL, ["j2"])]
+
+
+def test_time_the_broker_itself_stalled_is_not_a_peer_silence() -> None:
+    s = make(heartbeat_interval_s=1.0, worker_liveness=3, client_expiry_s=10.0)
+    s.worker_ready(W1, p.WorkerInfo("w1", "m", 4), 0.0)
+    s.client_seen(A, 0.0)
+    s.excuse(20.0)  # the broker got no CPU for 20 s
+    s.tick(21.0)
+    assert W1 in s.workers and A in s.clients
+    s.tick(24.0)  # 4 s of real silence after the stall
+    assert W1 not in s.workers

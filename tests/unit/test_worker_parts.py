@@ -1,0 +1,85 @@
+"""Worker pieces that need neither vLLM nor an engine: the GPU plan, logprob extraction, the
+sync dispatch tables."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from zmq_rollout import protocol as p
+from zmq_rollout.workers import main as worker_main
+from zmq_rollout.workers.control import SyncParticipant, total
+from zmq_rollout.workers.receiver import Receiver
+from zmq_rollout.workers.sampling import sampled_logprobs
+
+
+@pytest.mark.parametrize(
+    ("gpus", "tp", "plan"),
+    [("", 1, [""]), ("0", 1, ["0"]), ("0,1", 1, ["0", "1"]), ("0,1", 2, ["0,1"]), ("0,1,2,3", 2, ["0,1", "2,3"])],
+)
+def test_plan_engines(gpus: str, tp: int, plan: list[str]) -> None:
+    assert worker_main.plan_engines(gpus, tp) == plan
+
+
+@pytest.mark.parametrize(
+    ("gpus", "tp", "match"), [("0,1,2", 2, "cannot be split"), ("0,0", 1, "twice"), ("0", 0, "split")]
+)
+def test_plan_engines_rejects(gpus: str, tp: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        worker_main.plan_engines(gpus, tp)
+
+
+def _pos(entries: dict[int, tuple[float, int]]) -> dict[int, SimpleNamespace]:
+    return {t: SimpleNamespace(logprob=lp, rank=rank) for t, (lp, rank) in entries.items()}
+
+
+def test_sampled_logprobs_picks_the_sampled_token_and_top_k() -> None:
+    logprobs = [_pos({5: (-0.5, 2), 1: (-0.1, 1)}), _pos({7: (-2.0, 1)})]
+    chosen, tops = sampled_logprobs([5, 7], logprobs, top=1)
+    assert chosen == [-0.5, -2.0]
+    assert tops == [{1: -0.1}, {7: -2.0}]
+    assert sampled_logprobs([5], None, 0) == ([], None)
+    assert sampled_logprobs([5], logprobs[:1], 0) == ([-0.5], None)
+
+
+def _participant() -> SyncParticipant:
+    async def nothing() -> None:
+        return None
+
+    return SyncParticipant(SimpleNamespace(), lambda ack: None, lambda code, why: None, nothing)  # type: ignore[arg-type]
+
+
+def test_every_sync_step_has_a_handler_on_the_worker() -> None:
+    """The worker handles each step; those it forwards into the engine, the engine handles."""
+    participant = _participant()
+    assert set(participant.handlers) == set(p.SYNC_OPS)
+    forwarded = {op for op, h in participant.handlers.items() if h in (participant.in_engine, participant.load)}
+    receiver = Receiver(model_runner=None, device="cpu")
+    assert set(receiver.handlers) == forwarded
+    data_steps = {p.BeginUpdate, p.LoadShm, p.LoadIpc, p.JoinGroup, p.ReceiveBucket, p.LeaveGroup, p.FinishUpdate}
+    assert forwarded == data_steps
+
+
+def test_a_step_the_engine_does_not_handle_is_refused_there() -> None:
+    with pytest.raises(ValueError, match="'commit' is not a step for the engine"):
+        Receiver(model_runner=None, device="cpu").run(p.Control(1, p.Commit(2)))
+
+
+def test_per_rank_results_add_up() -> None:
+    assert total([3, 4]) == 7
+    assert total([None, None]) is None
+    with pytest.raises(ValueError, match="answered"):
+        total([3, None])
+
+
+def test_a_control_the_worker_cannot_decode_is_refused_not_ignored() -> None:
+    import msgpack
+
+    from zmq_rollout.workers.control import refusal
+
+    header = msgpack.packb([9, ["load_rdma", "qp-7"], 1, 2])
+    ack = refusal(header, "unknown step load_rdma", 4)
+    assert ack == p.ControlAck(9, "load_rdma", False, 4, "ProtocolError: unknown step load_rdma")
+    assert refusal(b"\xc1", "garbage", 4) is None  # not even the round can be read
+    assert refusal(msgpack.packb(["x"]), "no round", 4) is None

@@ -1,0 +1,106 @@
+"""The zmq-rollout wire protocol, version 1 (``ZR1``): commands and message bodies.
+
+One module per part of the contract, all re-exported here (``from zmq_rollout import
+protocol as p``; ``p.SUBMIT``, ``p.JobSpec``, ``p.Commit``):
+
+- ``commands``: the frames and the one-byte commands;
+- ``base``: the Struct base every body derives from, the limits, the range checks;
+- ``jobs``: jobs and their answers (SUBMIT, JOBS, PARTIAL, FINAL, ERROR);
+- ``fleet``: READY and STATUS_REPLY;
+- ``steps``: the steps of a weight-sync round, one tagged Struct each, and what they carry;
+- ``sync``: the messages of a round (SYNC, SYNC_REPLY, CONTROL, CONTROL_ACK).
+
+docs/protocol.md documents each for implementers in other languages; its examples are
+generated from these Structs (``scripts/protocol_examples.py``).
+"""
+
+from .base import (
+    MAX_JOB_ID,
+    MAX_JOBS_PER_MESSAGE,
+    MAX_LORA_NAME,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_STOP,
+    MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
+    MAX_VERSION,
+    Struct,
+)
+from .commands import (
+    ACCEPTED,
+    BUSY,
+    CANCEL,
+    COMMAND_NAMES,
+    CONTROL,
+    CONTROL_ACK,
+    CREDIT,
+    DISCONNECT,
+    ERROR,
+    FINAL,
+    HEARTBEAT,
+    JOBS,
+    PARTIAL,
+    READY,
+    SIGNATURE,
+    STATUS,
+    STATUS_REPLY,
+    SUBMIT,
+    SYNC,
+    SYNC_REPLY,
+)
+from .fleet import ClientStatus, JobTotals, StatusReply, WorkerInfo, WorkerStatus
+from .jobs import (
+    Assignment,
+    ChatMessage,
+    Delta,
+    DeltaRelay,
+    ErrorItem,
+    JobSpec,
+    Result,
+    ResultRelay,
+    Sample,
+    SamplingParams,
+)
+from .steps import (
+    BACKENDS,
+    DTYPE_SIZES,
+    PAUSE_MODES,
+    SYNC_OPS,
+    Abort,
+    AckResult,
+    AnySyncOp,
+    Begin,
+    BeginUpdate,
+    Bucket,
+    CheckNames,
+    Commit,
+    CudaIpcHandle,
+    FinishUpdate,
+    JoinGroup,
+    LeaveGroup,
+    LoadIpc,
+    LoadLora,
+    LoadShm,
+    LoraBucket,
+    NameCheck,
+    ReceiveBucket,
+    SyncOp,
+    TensorMeta,
+)
+from .sync import Control, ControlAck, Evicted, SyncReply, SyncStep, WorkerAck
+
+__all__ = [
+    "ACCEPTED", "BACKENDS", "BUSY", "CANCEL", "COMMAND_NAMES", "CONTROL", "CONTROL_ACK", "CREDIT",
+    "DISCONNECT", "DTYPE_SIZES", "ERROR", "FINAL", "HEARTBEAT", "JOBS", "MAX_JOBS_PER_MESSAGE", "MAX_JOB_ID",
+    "MAX_LORA_NAME", "MAX_MESSAGES", "MAX_N", "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "MAX_STOP", "MAX_TOKENS",
+    "MAX_TOP_LOGPROBS", "MAX_VERSION", "PARTIAL", "PAUSE_MODES", "READY", "SIGNATURE", "STATUS", "STATUS_REPLY",
+    "SUBMIT", "SYNC", "SYNC_OPS", "SYNC_REPLY",
+    "Abort", "AckResult", "AnySyncOp", "Assignment", "Begin", "BeginUpdate", "Bucket", "ChatMessage",
+    "CheckNames", "ClientStatus", "Commit", "Control", "ControlAck", "CudaIpcHandle", "Delta", "DeltaRelay",
+    "ErrorItem", "Evicted", "FinishUpdate", "JobSpec", "JobTotals", "JoinGroup", "LeaveGroup", "LoadIpc",
+    "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
+    "SamplingParams", "StatusReply", "Struct", "SyncOp", "SyncReply", "SyncStep", "TensorMeta", "WorkerAck",
+    "WorkerInfo", "WorkerStatus",
+]  # fmt: skip

@@ -1,0 +1,64 @@
+"""Who is in the fleet: a worker's READY, and the broker's STATUS_REPLY."""
+
+from __future__ import annotations
+
+import msgspec
+
+from .base import MAX_VERSION, Struct, check_int
+
+
+class WorkerInfo(Struct):
+    """worker -> broker READY: who I am and how many credits (sequences at once) I take."""
+
+    name: str
+    model: str
+    credits: int
+    weight_version: int = 0
+    capabilities: list[str] = []
+    max_model_len: int = 0
+    num_ranks: int = 1
+    """Ranks this worker brings to a weight-sync collective (its tensor-parallel size)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.name) <= 256:
+            raise ValueError("worker name must be 1..256 characters")
+        check_int("credits", self.credits, 0, 1 << 20)
+        check_int("weight_version", self.weight_version, 0, MAX_VERSION)
+
+
+class WorkerStatus(Struct):
+    name: str
+    state: str
+    """``ready``; ``syncing`` (a member of the running sync round); ``stale`` (below the fleet version)."""
+    model: str
+    credits: int
+    running: int
+    """Jobs running on it."""
+    weight_version: int
+    idle_s: float
+    """Seconds since the broker last heard from it."""
+
+
+class ClientStatus(Struct):
+    name: str
+    queued: int
+    running: int
+
+
+class JobTotals(Struct):
+    """Jobs counted since the broker started."""
+
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    requeued: int = 0
+
+
+class StatusReply(Struct):
+    workers: list[WorkerStatus]
+    clients: list[ClientStatus]
+    queued: int
+    running: int
+    fleet_version: int = 0
+    totals: JobTotals = msgspec.field(default_factory=JobTotals)

@@ -1,0 +1,173 @@
+"""Jobs and their answers: what a trainer submits, what a worker runs, what comes back.
+
+``JobSpec`` travels client -> broker (SUBMIT) and broker -> worker (JOBS, in an
+``Assignment``); ``Delta`` and ``Result`` travel worker -> broker -> client (PARTIAL,
+FINAL), keyed by ticket from the worker and by job id to the client; ``ErrorItem`` ends a
+job with an error (ERROR, BUSY).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .base import (
+    MAX_JOB_ID,
+    MAX_LORA_NAME,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_STOP,
+    MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
+    MAX_VERSION,
+    Struct,
+    check_finite,
+    check_int,
+)
+
+
+class SamplingParams(Struct):
+    """How to sample. Validated on construction and on decode, before anything reaches vLLM.
+
+    ``logprobs`` is how many *top* logprobs to return per token beside the sampled token's
+    own logprob, which every rollout always carries (processed: after temperature/top-k/top-p).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: list[str] = []
+    seed: int | None = None
+    logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("n", self.n, 1, MAX_N)
+        check_finite("temperature", self.temperature, 0.0, 100.0)
+        check_finite("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_int("top_k", self.top_k, -1, 1 << 20)
+        check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
+        stop = self.stop
+        if stop:
+            if not isinstance(stop, list) or len(stop) > MAX_STOP:
+                raise ValueError(f"stop takes at most {MAX_STOP} strings, as a list")
+            if not all(isinstance(s, str) and s for s in stop):
+                raise ValueError("stop strings must be non-empty strings")
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, MAX_VERSION)
+        check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if type(self.ignore_eos) is not bool:
+            raise ValueError("ignore_eos must be a bool")
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str
+
+
+class JobSpec(Struct):
+    """One inference job. Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``.
+
+    ``min_weight_version``: the broker never dispatches the job to a worker whose weights
+    are older (weight sync; 0 accepts any worker).
+    """
+
+    job_id: str
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    stream: bool = False
+    min_weight_version: int = 0
+    lora: str | None = None
+    """The LoRA adapter to sample with (a name given to ``update_lora``); None: the base model."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID):
+            raise ValueError(f"job_id must be a string of 1..{MAX_JOB_ID} characters")
+        prompt, messages, ids = self.prompt, self.messages, self.prompt_token_ids
+        if (prompt is not None) + (messages is not None) + (ids is not None) != 1:
+            raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+        if prompt is not None and not 0 < len(prompt) <= MAX_PROMPT_CHARS:
+            raise ValueError("prompt must be 1..1 MiB characters")
+        if messages is not None and not 0 < len(messages) <= MAX_MESSAGES:
+            raise ValueError(f"messages must hold 1..{MAX_MESSAGES} items")
+        if ids is not None and not (0 < len(ids) <= MAX_PROMPT_TOKENS and min(ids) >= 0):
+            raise ValueError("prompt_token_ids must hold 1..1M non-negative ids")
+        if self.min_weight_version:
+            check_int("min_weight_version", self.min_weight_version, 0, MAX_VERSION)
+        if self.lora is not None and not (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME):
+            raise ValueError(f"lora must be an adapter name of 1..{MAX_LORA_NAME} characters")
+
+    def cost(self) -> int:
+        """Credits this job occupies on a worker: one per sequence."""
+        return self.sampling.n
+
+
+class Assignment(Struct):
+    """broker -> worker: run ``job`` under ``ticket`` (the broker's id for this attempt)."""
+
+    ticket: int
+    job: JobSpec
+
+
+class Delta(Struct):
+    """Streamed tokens of one sample. ``key`` is the job id (to clients) or ticket (from workers)."""
+
+    key: str | int
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class Sample(Struct):
+    """One completion. ``weight_versions`` is set only when the sample spans a weight sync:
+    then it holds the version that produced each token (else all are the Result's)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    top_logprobs: list[dict[int, float]] | None = None
+    weight_versions: list[int] | None = None
+
+
+class Result(Struct):
+    """The final answer of a job. ``key`` is the job id (to clients) or ticket (from workers)."""
+
+    key: str | int
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    weight_version: int
+    worker_id: str
+
+
+class DeltaRelay(Struct):
+    """The broker's view of a worker's ``Delta``: it routes on ``key`` and forwards the token
+    payload as the raw msgpack it came in (same wire shape, no decode and re-encode)."""
+
+    key: str | int
+    index: int
+    token_ids: msgspec.Raw
+    logprobs: msgspec.Raw
+
+
+class ResultRelay(Struct):
+    """The broker's view of a worker's ``Result`` (see ``DeltaRelay``)."""
+
+    key: str | int
+    prompt_token_ids: msgspec.Raw
+    samples: msgspec.Raw
+    weight_version: int
+    worker_id: str
+
+
+class ErrorItem(Struct):
+    """An error about one job (``key``) or about the whole message (``key`` is None)."""
+
+    key: str | int | None
+    code: str
+    message: str

@@ -1,0 +1,95 @@
+"""What the client hands a trainer (``Rollout``, ``TokenDelta``) and how prompts become jobs.
+
+Pure conversions between the caller's Python values and the wire Structs: no sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from zmq_rollout import protocol as p
+from zmq_rollout.errors import InvalidRequestError
+
+Prompt = Union[str, Sequence[int], Sequence[dict[str, str]], Sequence[p.ChatMessage]]  # noqa: UP007 (runtime alias)
+
+
+@dataclass
+class Rollout:
+    """One sampled completion, ready for a trainer's loss."""
+
+    job_id: str
+    prompt_index: int  # position of its prompt in the call's input
+    index: int  # sample index within the prompt (0..n-1)
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # the sampled tokens' processed logprobs
+    finish_reason: str
+    weight_version: int
+    worker_id: str
+    top_logprobs: list[dict[int, float]] | None = None
+    weight_versions: list[int] | None = None  # per token, only if the sample spans a weight sync
+
+
+@dataclass
+class TokenDelta:
+    """Tokens streamed for one sample of a job."""
+
+    job_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def make_job(
+    job_id: str,
+    prompt: Prompt,
+    sampling: p.SamplingParams,
+    *,
+    stream: bool = False,
+    min_weight_version: int = 0,
+    lora: str | None = None,
+) -> p.JobSpec:
+    """Build and validate a job from a prompt string, chat messages or token ids."""
+    kwargs: dict[str, Any] = {}
+    if isinstance(prompt, str):
+        kwargs["prompt"] = prompt
+    elif isinstance(prompt, (bytes, bytearray)):
+        raise InvalidRequestError("a prompt is a str, not bytes: decode it first", job_id=job_id)
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
+        kwargs["prompt_token_ids"] = list(prompt)
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, (dict, p.ChatMessage)) for m in prompt):
+        try:
+            kwargs["messages"] = [m if isinstance(m, p.ChatMessage) else p.ChatMessage(**m) for m in prompt]  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise InvalidRequestError(f"a chat message has a role and a content: {exc}", job_id=job_id) from None
+    else:
+        raise InvalidRequestError(
+            "a prompt is a string, a non-empty list of token ids, or a list of chat messages; "
+            f"got {type(prompt).__name__}"
+        )
+    try:
+        sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
+        return p.JobSpec(job_id, sampling, stream=stream, min_weight_version=min_weight_version, lora=lora, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(str(exc), job_id=job_id) from None
+
+
+def to_rollouts(result: p.Result, prompt_index: int = 0) -> list[Rollout]:
+    return [
+        Rollout(
+            str(result.key),
+            prompt_index,
+            s.index,
+            result.prompt_token_ids,
+            s.token_ids,
+            s.logprobs,
+            s.finish_reason,
+            result.weight_version,
+            result.worker_id,
+            s.top_logprobs,
+            s.weight_versions,
+        )
+        for s in sorted(result.samples, key=lambda s: s.index)
+    ]

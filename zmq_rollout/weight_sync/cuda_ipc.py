@@ -1,0 +1,218 @@
+"""The CUDA IPC transport: the trainer's GPU buffers, shared once, mapped once.
+
+The trainer packs buckets into GPU buffers (``CudaIpcBuffers``) that it exports *once* and
+keeps across rounds; a worker maps each by its handle *once* (``CudaIpcCache``) and loads
+straight from it. Neither side allocates, exports or maps anything per round, so GPU
+memory stays flat however many rounds run (exporting per round is what makes memory grow
+in rollout servers that do). The handle is plain values (``protocol.CudaIpcHandle``,
+msgpack): no pickle. torch is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from zmq_rollout import protocol as p
+from zmq_rollout.errors import InvalidRequestError
+from zmq_rollout.protocol import CudaIpcHandle
+
+from .buckets import Bucket, pack
+from .transport import Shipment, WeightTransport
+
+if TYPE_CHECKING:
+    import torch
+
+    from .round import SyncRound
+
+__all__ = ["CudaIpcBuffers", "CudaIpcCache", "CudaIpcTransport", "cuda_device_uuid", "open_cuda_ipc"]
+
+
+class CudaIpcTransport(WeightTransport):
+    """``load_ipc`` steps over two exported GPU buffers kept across rounds (reallocated only
+    when a bucket outgrows them; workers unmap the old ones when a step no longer names them)."""
+
+    name = "cuda_ipc"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: CudaIpcBuffers | None = None
+
+    def prepare(self, shipment: Shipment) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidRequestError("transport='cuda_ipc' needs CUDA in the trainer; use 'shm' on CPU")
+        on_gpu = next((t.device for t in shipment.tensors.values() if t.is_cuda), None)
+        device = on_gpu if on_gpu is not None else torch.device("cuda", torch.cuda.current_device())
+        held = self.buffers
+        if held is None or held.size < shipment.largest or held.device != device:
+            self.close()
+            held = self.buffers = CudaIpcBuffers(shipment.largest, n=2, device=device)
+        held.pack(0, shipment.buckets[0], shipment.tensors)
+
+    async def send(self, rnd: SyncRound, shipment: Shipment) -> None:
+        """Bucket 0 is packed already (``prepare``; maybe still on the GPU's stream)."""
+        import torch
+
+        ipc = self.buffers
+        assert ipc is not None, "prepare() first"
+        live = [h.buffer_id for h in ipc.handles]
+        stream = torch.cuda.current_stream(ipc.device)
+        buckets = shipment.buckets
+        for i, bucket in enumerate(buckets):
+            stream.synchronize()  # bucket i is in its buffer before any worker reads it
+            load = asyncio.ensure_future(rnd.step(p.LoadIpc(ipc.handles[i % 2], bucket, live, **shipment.edges(i))))
+            if i + 1 < len(buckets):  # pack the next bucket while the workers load this one
+                ipc.pack((i + 1) % 2, buckets[i + 1], shipment.tensors)
+            await load
+
+    def close(self) -> None:
+        if self.buffers is not None:
+            self.buffers.close()  # workers unmap it when the next load names only the new buffers
+            self.buffers = None
+
+
+def cuda_device_uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+class CudaIpcBuffers:
+    """``n`` GPU buffers of ``size`` bytes, each exported once; the trainer keeps them across rounds.
+
+    Exporting a storage (``_share_cuda_``) per round is what makes memory grow in rollout
+    servers that do: each export pins the block on both sides until the other side lets go.
+    Here a buffer is exported when it is allocated and the handle is reused every round.
+    Not usable with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torch cannot
+    export such memory); the error says so.
+    """
+
+    def __init__(self, size: int, n: int = 2, device: Any = None) -> None:
+        import torch
+
+        if size <= 0 or n <= 0:
+            raise ValueError(f"need a positive size and count, got size={size} n={n}")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA IPC buffers live on a CUDA device, not {self.device}")
+        self.size = size
+        self.pack_plans: dict[Any, list[torch.Tensor]] = {}
+        uuid_ = cuda_device_uuid(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        self._tensors: list[torch.Tensor] = []
+        self.handles: list[CudaIpcHandle] = []
+        for _ in range(n):
+            tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+            try:
+                shared = tensor.untyped_storage()._share_cuda_()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"could not export a CUDA buffer for IPC ({e}); CUDA IPC does not work with "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: unset it in the trainer, or use transport='shm'"
+                ) from e
+            _, handle, storage_size, storage_offset, rc_handle, rc_offset, ev_handle, ev_sync = shared
+            self._tensors.append(tensor)
+            self.handles.append(
+                CudaIpcHandle(
+                    uuid.uuid4().hex,
+                    uuid_,
+                    size,
+                    bytes(handle),
+                    int(storage_size),
+                    int(storage_offset),
+                    bytes(rc_handle),
+                    int(rc_offset),
+                    bytes(ev_handle) if ev_handle else b"",
+                    bool(ev_sync),
+                )
+            )
+
+    def tensor(self, i: int) -> torch.Tensor:
+        return self._tensors[i]
+
+    def pack(self, i: int, bucket: Bucket, tensors_by_name: dict[str, torch.Tensor]) -> None:
+        """``pack`` into buffer ``i``; the buffer's slices for a bucket laid out the same way
+        are kept (never the trainer's tensors), so later rounds pack with one foreach copy."""
+        import torch
+
+        sources = [tensors_by_name[m.name] for m in bucket.tensors]
+        ok = all(t.is_contiguous() and t.device == self.device for t in sources)
+        key = (i, tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors))
+        dsts = self.pack_plans.get(key) if ok else None
+        foreach_copy = getattr(torch, "_foreach_copy_", None)
+        if dsts is None or foreach_copy is None:
+            pack(bucket, tensors_by_name, self._tensors[i])  # checks dtypes and shapes too
+            if ok:
+                if len(self.pack_plans) >= 256:
+                    self.pack_plans.clear()
+                out = self._tensors[i]
+                self.pack_plans[key] = [out[m.offset : m.offset + m.nbytes] for m in bucket.tensors]
+            return
+        foreach_copy(dsts, [t.detach().reshape(-1).view(torch.uint8) for t in sources])
+
+    def close(self) -> None:
+        """Drop the buffers: torch frees each once every worker has unmapped it."""
+        self._tensors.clear()
+        self.handles.clear()
+        self.pack_plans.clear()
+
+
+class CudaIpcCache:
+    """A worker's mappings of the trainer's exported buffers, by ``buffer_id``.
+
+    ``get`` maps a buffer the first time its id is seen and returns the same tensor after.
+    ``retain(ids)`` unmaps every other buffer, so a trainer that reallocates (a larger
+    bucket, a restart) does not leave its old buffers pinned.
+    """
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, torch.Tensor] = {}
+        self.num_opened = 0
+
+    def __len__(self) -> int:
+        return len(self._mapped)
+
+    def retain(self, buffer_ids: Iterable[str]) -> None:
+        keep = set(buffer_ids)
+        for buffer_id in [b for b in self._mapped if b not in keep]:
+            del self._mapped[buffer_id]
+
+    def get(self, handle: CudaIpcHandle) -> torch.Tensor:
+        tensor = self._mapped.get(handle.buffer_id)
+        if tensor is None:
+            tensor = self._mapped[handle.buffer_id] = open_cuda_ipc(handle)
+            self.num_opened += 1
+        return tensor
+
+    def clear(self) -> None:
+        self._mapped.clear()
+
+
+def open_cuda_ipc(handle: CudaIpcHandle) -> torch.Tensor:
+    """Map the trainer's buffer ``handle`` as a 1-D uint8 CUDA tensor of ``handle.nbytes``."""
+    import torch
+
+    index = next((i for i in range(torch.cuda.device_count()) if cuda_device_uuid(i) == handle.device_uuid), None)
+    if index is None:
+        raise RuntimeError(
+            f"the trainer's GPU {handle.device_uuid} is not visible to this worker "
+            f"(it sees {torch.cuda.device_count()} GPUs); CUDA IPC needs trainer and worker on the same "
+            "node with that GPU in CUDA_VISIBLE_DEVICES; use transport='nccl' or 'shm' otherwise"
+        )
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index,
+        handle.handle,
+        handle.storage_size,
+        handle.storage_offset,
+        handle.ref_counter_handle,
+        handle.ref_counter_offset,
+        handle.event_handle or None,
+        handle.event_sync_required,
+    )
+    tensor = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
+    tensor.set_(storage, 0, (handle.nbytes,), (1,))
+    return tensor
