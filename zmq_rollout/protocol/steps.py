@@ -14,6 +14,7 @@ or a collective.
 from __future__ import annotations
 
 import math
+import typing
 from typing import Any, ClassVar, Union
 
 from .base import MAX_LORA_NAME, MAX_VERSION, Struct, check_finite, check_int, check_name
@@ -284,22 +285,7 @@ class Abort(SyncOp, tag="abort"):
     checkpoint. The broker sends it by itself when the trainer is lost."""
 
 
-#: Every step, in the order a round uses them.
-SYNC_OPS: tuple[type[SyncOp], ...] = (
-    Begin,
-    CheckNames,
-    BeginUpdate,
-    LoadShm,
-    LoadIpc,
-    JoinGroup,
-    ReceiveBucket,
-    LeaveGroup,
-    FinishUpdate,
-    LoraBucket,
-    LoadLora,
-    Commit,
-    Abort,
-)
+#: Every step, in the order a round uses them: the type of a step on the wire.
 AnySyncOp = Union[  # noqa: UP007 (msgspec needs a runtime Union)
     Begin,
     CheckNames,
@@ -315,4 +301,5 @@ AnySyncOp = Union[  # noqa: UP007 (msgspec needs a runtime Union)
     Commit,
     Abort,
 ]
+SYNC_OPS: tuple[type[SyncOp], ...] = typing.get_args(AnySyncOp)
 AckResult = Union[int, NameCheck, None]  # noqa: UP007
