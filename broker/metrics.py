@@ -93,7 +93,7 @@ class SchedulerCollector:
         yield GaugeMetricFamily("zmq_rollout_queued_jobs", "Queued jobs across clients.", value=s.num_queued)
 
 
-def serve_metrics(scheduler: Scheduler, port: int, addr: str = "0.0.0.0") -> Any:
+def serve_metrics(scheduler: Scheduler, port: int, addr: str = "127.0.0.1") -> Any:
     registry = CollectorRegistry()
     registry.register(SchedulerCollector(scheduler))
     return start_metrics_server(registry, port, addr)

@@ -23,6 +23,21 @@ class InvalidJob(ValueError):
     """The job cannot run on this engine (too long, token id out of range, ...)."""
 
 
+class EngineStartError(RuntimeError):
+    """vLLM's engine did not start; the message names the likely causes and their settings."""
+
+    def __init__(self, config: WorkerConfig, cause: BaseException) -> None:
+        kv = "vLLM's choice" if config.kv_cache_gib is None else f"{config.kv_cache_gib} GiB"
+        super().__init__(
+            f"the vLLM engine for {config.model!r} did not start ({type(cause).__name__}: {cause}). Likely causes: "
+            f"(1) memory: the KV cache (--kv-cache-gib, now {kv}) or --gpu-memory-utilization "
+            f"({config.gpu_memory_utilization}) does not fit beside the model and the other engines on this machine; "
+            f"(2) --model is not a local model folder (config.json and *.safetensors); "
+            f"(3) the model is one this vLLM cannot run (architecture, head size, dtype {config.dtype!r}); "
+            "vLLM's log above has the root cause"
+        )
+
+
 def engine_args(config: WorkerConfig) -> Any:
     """``AsyncEngineArgs`` for ``config``; arguments this vLLM lacks are left out."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -34,7 +49,7 @@ def engine_args(config: WorkerConfig) -> Any:
         "max_num_seqs": config.max_num_seqs,
         "max_model_len": config.max_model_len,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "kv_cache_memory_bytes": None if config.kv_cache_gib is None else int(config.kv_cache_gib * (1 << 30)),
+        "kv_cache_memory_bytes": _kv_cache_bytes(config),
         "dtype": config.dtype,
         "enforce_eager": config.enforce_eager,
         "seed": config.seed,
@@ -65,6 +80,18 @@ def engine_args(config: WorkerConfig) -> Any:
     return AsyncEngineArgs(**{k: v for k, v in wanted.items() if k in fields})
 
 
+CPU_KV_CACHE_GIB = 2.0
+"""The KV cache of a CPU engine unless ``kv_cache_gib`` says otherwise: vLLM's own default,
+``gpu_memory_utilization`` of the machine's RAM per engine, lets two engines OOM one machine."""
+
+
+def _kv_cache_bytes(config: WorkerConfig) -> int | None:
+    gib = config.kv_cache_gib
+    if gib is None and _on_cpu():
+        gib = CPU_KV_CACHE_GIB
+    return None if gib is None else int(gib * (1 << 30))
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -78,7 +105,10 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config
-        self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        try:
+            self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        except Exception as exc:
+            raise EngineStartError(config, exc) from exc
         vcfg = self.llm.vllm_config
         self.max_model_len: int = vcfg.model_config.max_model_len
         self.vocab_size: int = vcfg.model_config.get_vocab_size()

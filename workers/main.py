@@ -23,6 +23,9 @@ from zmq_rollout.settings import to_argv
 
 log = logging.getLogger(__name__)
 
+EXIT_ENGINE_START = 5
+"""The engine did not start (the log names the likely cause); a restart will not fix it."""
+
 
 def plan_engines(gpus: str, tensor_parallel_size: int) -> list[str]:
     """Split a GPU list into one ``CUDA_VISIBLE_DEVICES`` value per engine."""
@@ -38,12 +41,16 @@ def plan_engines(gpus: str, tensor_parallel_size: int) -> list[str]:
 
 
 async def _serve(config: WorkerConfig) -> int:
-    from .engine import Engine
+    from .engine import Engine, EngineStartError
     from .generation import warm_up
     from .worker import Worker
 
     started = time.monotonic()
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except EngineStartError as exc:
+        log.error("%s", exc)
+        return EXIT_ENGINE_START
     await warm_up(engine)
     log.info(
         "engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",

@@ -37,8 +37,8 @@ class WorkerMetrics:
         self.tokens.inc(num_tokens)
         self.latency.observe(seconds)
 
-    def serve(self, port: int) -> int:
-        self._server = start_metrics_server(self.registry, port)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        self._server = start_metrics_server(self.registry, port, host)
         return self._server.port
 
     def close(self) -> None:

@@ -107,7 +107,7 @@ class Worker:
         """Serve until stopped (``stop()``) or the engine dies; returns the exit code."""
         self._exit = asyncio.get_running_loop().create_future()
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port)
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._connect()
         background = [asyncio.ensure_future(c) for c in (self._receive(), self._heartbeat(), self._watch_engine())]
         try:

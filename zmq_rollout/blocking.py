@@ -51,6 +51,11 @@ class RolloutClient:
         return self._async.config
 
     @property
+    def identity(self) -> str:
+        """See ``AsyncRolloutClient.identity``."""
+        return self._async.identity
+
+    @property
     def transport(self) -> WeightTransport | None:
         """See ``AsyncRolloutClient.transport``."""
         return self._async.transport

@@ -7,8 +7,9 @@ import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -46,7 +47,8 @@ def broker(
     from zmq_rollout.broker.server import Broker
 
     _logging(verbose)
-    b = Broker(config)
+    with _errors_as_messages(verbose):
+        b = Broker(config)  # binds: an address in use is a message, not a traceback
     signal.signal(signal.SIGTERM, lambda *_: b.stop())
     with contextlib.suppress(KeyboardInterrupt):
         b.run()
@@ -63,10 +65,67 @@ def worker(
     if print_config:
         _print_config(config)
         return
-    from zmq_rollout.workers.main import run_worker
+    from zmq_rollout.workers.main import plan_engines, run_worker
 
+    try:
+        plan_engines(config.gpus, config.tensor_parallel_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     _logging(verbose)
     raise typer.Exit(run_worker(config))
+
+
+PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+
+
+def read_prompts(path: Path, sampling: Any) -> tuple[list[tuple[int, Any]], list[str]]:
+    """``(line number, prompt)`` for each usable line of a JSONL file, and ``FILE:LINE: what is
+    wrong`` for each other one; a prompt is usable if the client would accept it as a job."""
+    from zmq_rollout.errors import InvalidRequestError
+    from zmq_rollout.rollouts import make_job
+
+    prompts, problems = [], []
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        return [], [f"{path}: cannot read it: {exc}"]
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{where}: not JSON ({exc.msg} at column {exc.colno})")
+            continue
+        keys = [k for k in PROMPT_KEYS if isinstance(row, dict) and k in row]
+        if len(keys) != 1:
+            problems.append(f"{where}: needs an object with exactly one of {', '.join(PROMPT_KEYS)}")
+            continue
+        try:
+            make_job("check", row[keys[0]], sampling)
+        except InvalidRequestError as exc:
+            problems.append(f"{where}: {keys[0]}: {exc}")
+            continue
+        prompts.append((lineno, row[keys[0]]))
+    return prompts, problems
+
+
+@contextlib.contextmanager
+def _errors_as_messages(verbose: bool) -> Iterator[None]:
+    """An error of ours (or of the OS or ZeroMQ) is one line on stderr and exit code 1;
+    ``--verbose`` shows the traceback instead."""
+    import zmq
+
+    from zmq_rollout.errors import RolloutError
+
+    try:
+        yield
+    except (RolloutError, OSError, zmq.ZMQError) as exc:
+        if verbose:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -74,47 +133,70 @@ def worker(
 def generate(
     config: ClientConfig,
     input: Path = typer.Option(..., "--input", "-i", help="JSONL: one {prompt|messages|prompt_token_ids} per line."),
-    output: Path = typer.Option(..., "--output", "-o", help="JSONL: one rollout per line."),
+    output: Path = typer.Option(..., "--output", "-o", help="JSONL: one rollout per line, with the input's line."),
     n: int = typer.Option(1, help="Samples per prompt."),
     temperature: float = typer.Option(1.0),
     top_p: float = typer.Option(1.0),
     max_tokens: int = typer.Option(64),
     seed: Optional[int] = typer.Option(None),  # noqa: UP045
+    skip_invalid: bool = typer.Option(
+        False, "--skip-invalid", help="Go on without invalid lines (listed at the end) instead of stopping."
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks."),
 ) -> None:
-    """Submit prompts from a JSONL file and write the rollouts to another."""
+    """Submit prompts from a JSONL file and write the rollouts to another.
+
+    Every line is checked before anything is sent: with an invalid one the command lists them
+    all (FILE:LINE: what is wrong) and exits 2, unless --skip-invalid.
+    """
     import concurrent.futures
 
     from zmq_rollout import RolloutClient, SamplingParams
 
-    prompts = []
-    for lineno, line in enumerate(input.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        prompt = row.get("prompt", row.get("messages", row.get("prompt_token_ids")))
-        if prompt is None:
-            raise typer.BadParameter(f"{input}:{lineno}: needs prompt, messages or prompt_token_ids")
-        prompts.append(prompt)
-    sampling = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
-    with RolloutClient(config=config) as client, output.open("w") as out:
-        futures = {client.submit(prompt, sampling): i for i, prompt in enumerate(prompts)}
+    try:
+        sampling = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if not input.is_file():
+        raise typer.BadParameter(f"{input} is not a file", param_hint="--input")
+    prompts, problems = read_prompts(input, sampling)
+    if problems and not skip_invalid:
+        for problem in problems[:50]:
+            typer.echo(problem, err=True)
+        more = f" (and {len(problems) - 50} more)" if len(problems) > 50 else ""
+        typer.echo(
+            f"{len(problems)} invalid line(s){more}; nothing was sent (--skip-invalid goes on without them)", err=True
+        )
+        raise typer.Exit(2)
+    written = 0
+    with _errors_as_messages(verbose), RolloutClient(config=config) as client, output.open("w") as out:
+        futures = {client.submit(prompt, sampling): (i, lineno) for i, (lineno, prompt) in enumerate(prompts)}
         with typer.progressbar(length=len(futures), label="rollouts", file=sys.stderr) as bar:
             for future in concurrent.futures.as_completed(futures):
+                index, lineno = futures[future]
                 for rollout in future.result():
-                    rollout.prompt_index = futures[future]
-                    out.write(json.dumps(dataclasses.asdict(rollout)) + "\n")
+                    rollout.prompt_index = index
+                    out.write(json.dumps({"line": lineno, **dataclasses.asdict(rollout)}) + "\n")
+                    written += 1
                 bar.update(1)
-    typer.echo(f"wrote {output}")
+    for problem in problems:
+        typer.echo(f"skipped {problem}", err=True)
+    typer.echo(
+        f"wrote {written} rollouts of {len(prompts)} prompts to {output}"
+        + (f"; skipped {len(problems)} invalid line(s)" if problems else "")
+    )
 
 
 @app.command()
 @config_options(ClientConfig, skip=("timeout_s", "batch_size"))
-def status(config: ClientConfig) -> None:
+def status(config: ClientConfig, verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Show the broker's workers, queues and job totals."""
     from zmq_rollout import RolloutClient
 
-    with RolloutClient(config=config) as client:
+    with _errors_as_messages(verbose), RolloutClient(config=config) as client:
         st = client.status()
+        me = client.identity
+    st.clients = [c for c in st.clients if c.name != me]  # not this command's own connection
     typer.echo(f"{'WORKER':<32} {'STATE':<7} {'CREDITS':>7} {'RUNNING':>7} {'VERSION':>7} {'IDLE_S':>7}  MODEL")
     for w in st.workers:
         typer.echo(

@@ -32,6 +32,7 @@ from zmq_rollout.errors import (
     error_from_code,
 )
 from zmq_rollout.rollouts import Prompt, Rollout, TokenDelta, make_job, to_rollouts
+from zmq_rollout.submissions import Unanswered, pack_submits
 from zmq_rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport, WeightTransport, make_transport
 from zmq_rollout.weight_sync import update_lora as _update_lora
 from zmq_rollout.weight_sync import update_weights as _update_weights
@@ -77,6 +78,9 @@ class AsyncRolloutClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._decoder = codec.Decoder(codec.TO_CLIENT)
+        self._unanswered = Unanswered()
+        self.identity = f"{self.config.name or 'client'}-{uuid.uuid4().hex[:8]}"
+        """This client's name at the broker (its ZeroMQ identity), as status lists it."""
         self.transport: WeightTransport | None = None
         """The weight-sync transport of the last ``update_weights``, kept (with its buffers) across rounds."""
 
@@ -84,8 +88,7 @@ class AsyncRolloutClient:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            name = self.config.name or "client"
-            sock.setsockopt(zmq.IDENTITY, f"{name}-{uuid.uuid4().hex[:8]}".encode())
+            sock.setsockopt(zmq.IDENTITY, self.identity.encode())
             sock.connect(self.config.address)
             self._sock = sock
             self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._heartbeat())]
@@ -106,7 +109,10 @@ class AsyncRolloutClient:
             raise ClientClosedError("the client is closed")
         await self.connect()
         assert self._sock is not None
-        await self._sock.send_multipart(codec.encode(command, body), copy=False)
+        try:
+            await self._sock.send_multipart(codec.encode(command, body), copy=False)
+        except zmq.ZMQError as exc:  # the socket or its context is gone: the client cannot go on
+            raise ClientClosedError(f"the client's connection to {self.config.address} failed: {exc}") from exc
 
     async def submit_jobs(self, jobs: list[p.JobSpec], *, stream: bool = False) -> list[_Pending]:
         """Send validated jobs (in batches of ``batch_size`` per message); futures per job."""
@@ -115,12 +121,14 @@ class AsyncRolloutClient:
         for job in jobs:
             if job.job_id in self._pending:
                 raise InvalidRequestError(f"job id {job.job_id!r} is already in flight", job_id=job.job_id)
+        messages = pack_submits(jobs, self.config.batch_size, self.config.max_message_bytes)  # may refuse one
+        for job in jobs:
             handle = _Pending(loop.create_future(), asyncio.Queue() if stream else None)
             self._pending[job.job_id] = handle
             handles.append(handle)
-        size = self.config.batch_size
-        for start in range(0, len(jobs), size):
-            await self._send(p.SUBMIT, jobs[start : start + size])
+        for ids, encoded in messages:
+            self._unanswered.sent(ids)
+            await self._send(p.SUBMIT, encoded)
         return handles
 
     async def submit(
@@ -341,9 +349,13 @@ class AsyncRolloutClient:
             self._dispatch(msg.command, msg.body)
 
     def _dispatch(self, command: bytes, body: Any) -> None:
-        pending = self._pending
-        if command == p.FINAL:
+        pending, unanswered = self._pending, self._unanswered
+        if command == p.ACCEPTED:
+            for jid in body:
+                unanswered.answered(jid)
+        elif command == p.FINAL:
             for result in body:
+                unanswered.answered(result.key)
                 handle = pending.pop(result.key, None)
                 if handle is not None:
                     if handle.stream is not None:
@@ -357,13 +369,18 @@ class AsyncRolloutClient:
                     handle.stream.put_nowait(TokenDelta(delta.key, delta.index, delta.token_ids, delta.logprobs))
         elif command in (p.ERROR, p.BUSY):
             for item in body:
-                handle = pending.pop(item.key, None) if item.key is not None else None
-                if handle is None:
-                    continue
-                if handle.stream is not None:
-                    handle.stream.put_nowait(None)
-                if not handle.future.done():
-                    handle.future.set_exception(error_from_code(item.code, item.message, item.key))
+                # An error about a whole message is about our oldest SUBMIT not answered yet
+                # (the broker answers in order; this client sends nothing else it could refuse).
+                keys = [item.key] if item.key is not None else unanswered.refused()
+                for key in keys:
+                    unanswered.answered(key)
+                    handle = pending.pop(key, None)
+                    if handle is None:
+                        continue
+                    if handle.stream is not None:
+                        handle.stream.put_nowait(None)
+                    if not handle.future.done():
+                        handle.future.set_exception(error_from_code(item.code, item.message, key))
         elif command == p.SYNC_REPLY and self._sync_waiters:
             sync_waiter = self._sync_waiters.pop(0)
             if not sync_waiter.done():

@@ -37,8 +37,8 @@ class BrokerConfig:
     """A weight-sync round whose trainer sends no step for this long is aborted (its workers resume)."""
     metrics_port: int | None = None
     """Port of the Prometheus /metrics endpoint (none: no endpoint; 0: any free port)."""
-    metrics_host: str = "0.0.0.0"
-    """Interface of the /metrics endpoint (127.0.0.1 keeps it local)."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the /metrics endpoint (0.0.0.0 opens it to every network; the deploy files do)."""
 
     @property
     def worker_expiry_s(self) -> float:
@@ -56,7 +56,9 @@ class ClientConfig:
     heartbeat_interval_s: float = 5.0
     """Seconds between the client's heartbeats; the broker drops a silent client's jobs after client_expiry_s."""
     batch_size: int = 512
-    """Jobs per SUBMIT message when a call submits many."""
+    """Jobs per SUBMIT message at most when a call submits many (1..4096)."""
+    max_message_bytes: int = 64 << 20
+    """Bytes per SUBMIT message at most: the broker's max_message_bytes (keep them equal or this smaller)."""
     name: str = ""
     """A label for this client in the broker's status and metrics (default: client)."""
 
@@ -65,8 +67,10 @@ class ClientConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and not math.isnan(value)):
                 raise ValueError(f"ClientConfig.{name} must be a positive number of seconds, got {value!r}")
-        if not (isinstance(self.batch_size, int) and self.batch_size > 0):
-            raise ValueError(f"ClientConfig.batch_size must be a positive integer, got {self.batch_size!r}")
+        if not (isinstance(self.batch_size, int) and 0 < self.batch_size <= 4096):
+            raise ValueError(f"ClientConfig.batch_size must be an integer in 1..4096, got {self.batch_size!r}")
+        if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1024):
+            raise ValueError(f"ClientConfig.max_message_bytes must be at least 1024, got {self.max_message_bytes!r}")
 
 
 @dataclass
@@ -86,10 +90,11 @@ class WorkerConfig:
     max_model_len: int = 2048
     """Longest prompt + completion in tokens."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory for vLLM (on CPU: fraction of RAM); ignored for the KV cache if kv_cache_gib is set."""
+    """Fraction of GPU memory vLLM may use on a GPU; the KV cache gets what the model leaves (unless kv_cache_gib)."""
     kv_cache_gib: float | None = None
-    """KV-cache size in GiB (vLLM's kv_cache_memory_bytes). Set it when engines share a device:
-    it skips vLLM's memory profiling, which counts the other engines' memory as its own."""
+    """KV-cache size in GiB (vLLM's kv_cache_memory_bytes); none: on a GPU from gpu_memory_utilization, on a
+    CPU 2 GiB (so several workers fit one machine). Set it when engines share a GPU: it skips vLLM's memory
+    profiling, which counts the other engines' memory as its own."""
     dtype: str = "auto"
     """Model dtype (auto: the checkpoint's)."""
     enforce_eager: bool = True
@@ -102,6 +107,8 @@ class WorkerConfig:
     """The worker reconnects fresh after heartbeat_interval_s x broker_liveness of broker silence."""
     metrics_port: int | None = None
     """Port of this worker's /metrics (with --gpus, engine i uses this + i; none: no endpoint)."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of this worker's /metrics (0.0.0.0 opens it to every network; the deploy files do)."""
     seed: int = 0
     """vLLM's engine seed."""
     enable_lora: bool = False

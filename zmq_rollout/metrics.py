@@ -24,7 +24,7 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def start_metrics_server(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> MetricsServer:
+def start_metrics_server(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``registry`` on ``addr:port`` (port 0 picks a free one) in a daemon thread."""
     server, thread = start_http_server(port, addr=addr, registry=registry)
     log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])

@@ -112,7 +112,10 @@ def config_options(cls: type, *, required: tuple[str, ...] = (), skip: tuple[str
 
         @functools.wraps(func)
         def command(**kwargs: Any) -> Any:
-            config = cls(**{name: kwargs.pop(name) for name in names})
+            try:
+                config = cls(**{name: kwargs.pop(name) for name in names})
+            except ValueError as exc:  # a setting out of range: a usage error, not a traceback
+                raise typer.BadParameter(str(exc)) from None
             return func(config, **kwargs)
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

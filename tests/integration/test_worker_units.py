@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 from zmq_rollout import protocol as p
 from zmq_rollout.config import WorkerConfig
 from zmq_rollout.workers.engine import engine_args
+from zmq_rollout.workers.main import worker_command
 from zmq_rollout.workers.sampling import vllm_sampling
 
 
@@ -23,5 +27,16 @@ def test_engine_args_asks_for_processed_logprobs_and_sizes_the_kv_cache() -> Non
     args = engine_args(WorkerConfig(model="/m", max_num_seqs=8, attention_backend=None))
     assert args.model == "/m" and args.max_num_seqs == 8
     assert args.logprobs_mode == "processed_logprobs"
-    assert args.kv_cache_memory_bytes is None  # vLLM sizes it from gpu_memory_utilization
+    # On a CPU a fixed 2 GiB (not half the RAM per engine, which OOMs two workers on one machine).
+    assert args.kv_cache_memory_bytes == 2 << 30
     assert engine_args(WorkerConfig(model="/m", kv_cache_gib=0.5)).kv_cache_memory_bytes == 1 << 29
+
+
+def test_an_engine_that_cannot_start_is_named_with_its_likely_causes(tmp_path: Path) -> None:
+    """A folder that is no model: the worker exits 5 (EXIT_ENGINE_START) at once, and its log
+    says what to check, not only vLLM's "Engine core initialization failed"."""
+    command = [*worker_command(WorkerConfig(broker="tcp://127.0.0.1:9", model=str(tmp_path))), "--verbose"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 5, out.stderr[-3000:]
+    assert "did not start" in out.stderr and "--model is not a local model folder" in out.stderr
+    assert "--kv-cache-gib" in out.stderr

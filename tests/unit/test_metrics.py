@@ -148,3 +148,18 @@ def test_collector_survives_concurrent_mutation(monkeypatch: Any) -> None:
     names = {m.name for m in collector.collect()}
     assert "zmq_rollout_jobs" in names
     assert calls["n"] == 2
+
+
+def test_metrics_endpoints_bind_loopback_unless_told_otherwise() -> None:
+    from zmq_rollout.workers.metrics import WorkerMetrics
+
+    assert BrokerConfig().metrics_host == "127.0.0.1"
+    running = serve_metrics(busy_scheduler(), 0)
+    worker = WorkerMetrics()
+    try:
+        assert running._server.server_address[0] == "127.0.0.1"
+        worker.serve(0)
+        assert worker._server is not None and worker._server._server.server_address[0] == "127.0.0.1"
+    finally:
+        running.shutdown()
+        worker.close()

@@ -33,11 +33,13 @@ def changed(cls: type) -> Any:
         if kind is bool:
             values[f.name] = not f.default
         elif kind is int or kind == int | None:
-            values[f.name] = 17 + i
+            values[f.name] = 17 + i if "bytes" not in f.name else (1 << 20) + i
         elif kind is float or kind == float | None:
             values[f.name] = 0.25 + i  # not a default, and exact in binary
         else:
             values[f.name] = f"value-{f.name}"
+    if cls is WorkerConfig:  # a GPU list the engines can be cut from
+        values["gpus"] = ",".join(str(i) for i in range(2 * values["tensor_parallel_size"]))
     config = cls(**values)
     for f in dataclasses.fields(cls):
         assert getattr(config, f.name) != f.default, f.name

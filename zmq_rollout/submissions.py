@@ -1,0 +1,88 @@
+"""How a client cuts its jobs into SUBMIT messages, and which message a whole-message error is about.
+
+Pure: no sockets. ``pack_submits`` keeps every message under the broker's size limit (above
+it the broker refuses the message; above twice it, ZeroMQ drops the connection without a
+word) and under the jobs-per-message limit. ``Unanswered`` remembers the SUBMIT messages of
+which no job has had any answer yet: the broker answers one peer's messages in order, so an
+ERROR about a whole message (key nil) is about the oldest of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from zmq_rollout import protocol as p
+from zmq_rollout.errors import InvalidRequestError
+
+_encoder = msgspec.msgpack.Encoder()
+FRAME_OVERHEAD = 64  # signature, command, the list's header: what a SUBMIT adds to its jobs
+
+
+def pack_submits(jobs: list[p.JobSpec], batch_size: int, max_bytes: int) -> list[tuple[list[str], list[msgspec.Raw]]]:
+    """The jobs, encoded, in messages of at most ``batch_size`` jobs and ``max_bytes`` bytes:
+    ``(job ids, encoded jobs)`` per message."""
+    messages: list[tuple[list[str], list[msgspec.Raw]]] = []
+    current: list[msgspec.Raw] = []
+    ids: list[str] = []
+    size = FRAME_OVERHEAD
+    limit = min(batch_size, p.MAX_JOBS_PER_MESSAGE)
+    for job in jobs:
+        raw = _encoder.encode(job)
+        if len(raw) + FRAME_OVERHEAD > max_bytes:
+            raise InvalidRequestError(
+                f"job {job.job_id!r} is {len(raw)} bytes encoded, more than a message may carry "
+                f"(ClientConfig.max_message_bytes={max_bytes}, which must not exceed the broker's max_message_bytes)",
+                job_id=job.job_id,
+            )
+        if current and (len(current) >= limit or size + len(raw) > max_bytes):
+            messages.append((ids, current))
+            current, ids, size = [], [], FRAME_OVERHEAD
+        current.append(msgspec.Raw(raw))
+        ids.append(job.job_id)
+        size += len(raw)
+    if current:
+        messages.append((ids, current))
+    return messages
+
+
+class Unanswered:
+    """SUBMIT messages (their job ids) of which no job has been answered yet, oldest first."""
+
+    def __init__(self) -> None:
+        self._messages: deque[tuple[int, list[str]]] = deque()
+        self._message_of: dict[str, int] = {}
+        self._answered: set[int] = set()
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def sent(self, job_ids: list[str]) -> None:
+        self._seq += 1
+        self._messages.append((self._seq, job_ids))
+        for jid in job_ids:
+            self._message_of[jid] = self._seq
+
+    def answered(self, job_id: str) -> None:
+        """Any answer about ``job_id`` (ACCEPTED, BUSY, ERROR, FINAL): its message was read."""
+        seq = self._message_of.get(job_id)
+        if seq is None:
+            return
+        self._answered.add(seq)
+        while self._messages and self._messages[0][0] in self._answered:
+            done, ids = self._messages.popleft()
+            self._answered.discard(done)
+            for jid in ids:
+                self._message_of.pop(jid, None)
+
+    def refused(self) -> list[str]:
+        """A whole-message ERROR arrived: the job ids of the message it is about (the oldest
+        unanswered), now forgotten; [] if none is waiting."""
+        if not self._messages:
+            return []
+        _, ids = self._messages.popleft()
+        for jid in ids:
+            self._message_of.pop(jid, None)
+        return ids
