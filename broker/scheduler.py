@@ -64,10 +64,13 @@ class Scheduler:
     def submit(self, identity: ClientId, jobs: list[p.JobSpec], now: float) -> None:
         client = self._client(identity, now)
         accepted: list[str] = []
+        new = 0
         cfg = self.config
         for spec in jobs:
             jid = spec.job_id
-            if jid in client.queued or jid in client.running:
+            if spec.resubmitted and (jid in client.queued or jid in client.running):
+                accepted.append(jid)  # sent again after a restart it did not see: it is here, once
+            elif jid in client.queued or jid in client.running:
                 self.outbox.to_client(
                     identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight")
                 )
@@ -90,8 +93,9 @@ class Scheduler:
                 job = Job(identity, spec, now)
                 self._enqueue(client, job)
                 accepted.append(jid)
+                new += 1
+        self.stats.submitted += new
         if accepted:
-            self.stats.submitted += len(accepted)
             self.outbox.to_client_many(identity, p.ACCEPTED, accepted)
         self.dispatch_soon(now)
 

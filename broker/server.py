@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import msgspec
@@ -60,6 +61,8 @@ class Broker:
         self.config = config or BrokerConfig()
         self.scheduler = Scheduler(self.config)
         self.scheduler.defer_dispatch = True  # dispatched once per loop pass, in _flush
+        self.epoch = uuid.uuid4().hex[:12]
+        """This broker process's id in heartbeat replies: a client that sees it change resubmits."""
         self._ctx = context or zmq.Context.instance()
         self.frontend = self._router(self.config.frontend)
         self.backend = self._router(self.config.backend)
@@ -196,8 +199,9 @@ class Broker:
                 return
             sched.submit(identity, msg.body, now)
         elif command == p.HEARTBEAT:
+            known = identity in sched.clients
             sched.client_seen(identity, now)
-            sched.outbox.to_client(identity, p.HEARTBEAT, None)
+            sched.outbox.to_client(identity, p.HEARTBEAT, p.Liveness(self.epoch, new_session=not known))
         elif command == p.CANCEL:
             sched.cancel(identity, msg.body, now)
         elif command == p.STATUS:

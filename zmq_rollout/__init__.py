@@ -6,6 +6,7 @@ The public API is ``__all__`` (pinned by tests/unit/test_client.py, test_public_
 from zmq_rollout.blocking import RolloutClient
 from zmq_rollout.client import AsyncRolloutClient
 from zmq_rollout.errors import (
+    BrokerUnavailableError,
     BusyError,
     ClientClosedError,
     InvalidRequestError,
@@ -17,13 +18,14 @@ from zmq_rollout.errors import (
     SyncError,
 )
 from zmq_rollout.protocol import ChatMessage, SamplingParams
-from zmq_rollout.rollouts import Rollout, TokenDelta
+from zmq_rollout.rollouts import Rollout, StreamRestarted, TokenDelta
 from zmq_rollout.weight_sync import SyncReport
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncRolloutClient",
+    "BrokerUnavailableError",
     "BusyError",
     "ChatMessage",
     "ClientClosedError",
@@ -36,6 +38,7 @@ __all__ = [
     "RolloutError",
     "RolloutTimeoutError",
     "SamplingParams",
+    "StreamRestarted",
     "SyncError",
     "SyncReport",
     "TokenDelta",

@@ -12,12 +12,15 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import math
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -25,20 +28,22 @@ from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.config import ClientConfig
 from zmq_rollout.errors import (
+    BrokerUnavailableError,
     ClientClosedError,
     InvalidRequestError,
     RolloutError,
     RolloutTimeoutError,
+    SyncError,
     error_from_code,
 )
-from zmq_rollout.rollouts import Prompt, Rollout, TokenDelta, make_job, to_rollouts
+from zmq_rollout.liveness import BrokerState, BrokerWatch
+from zmq_rollout.rollouts import Prompt, Rollout, StreamRestarted, TokenDelta, make_job, to_rollouts
 from zmq_rollout.submissions import Unanswered, pack_submits
-from zmq_rollout.weight_sync import DEFAULT_BUCKET_BYTES, SyncReport, WeightTransport, make_transport
-from zmq_rollout.weight_sync import update_lora as _update_lora
-from zmq_rollout.weight_sync import update_weights as _update_weights
-from zmq_rollout.weight_sync.update import LORA_BUCKET_BYTES
+from zmq_rollout.sync_methods import WeightSyncMethods
+from zmq_rollout.weight_sync import WeightTransport
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 __all__ = ["AsyncRolloutClient", "Prompt", "Rollout", "TokenDelta", "make_job"]
 
@@ -56,15 +61,18 @@ def _config(address: str | None, config: ClientConfig | None, overrides: dict[st
 
 
 class _Pending:
-    __slots__ = ("future", "stream")
+    __slots__ = ("future", "job", "stream")
 
-    def __init__(self, future: asyncio.Future[p.Result], stream: asyncio.Queue[Any] | None) -> None:
+    def __init__(self, job: p.JobSpec, future: asyncio.Future[p.Result], stream: asyncio.Queue[Any] | None) -> None:
+        self.job = job  # kept to send it again after a broker restart
         self.future = future
         self.stream = stream
 
 
-class AsyncRolloutClient:
-    """asyncio client. Create it inside a running event loop (or call ``connect`` there)."""
+class AsyncRolloutClient(WeightSyncMethods):
+    """asyncio client. Create it inside a running event loop (or call ``connect`` there).
+
+    Weight sync (``update_weights``, ``update_lora``) comes from ``WeightSyncMethods``."""
 
     def __init__(self, address: str | None = None, config: ClientConfig | None = None, **overrides: Any) -> None:
         self.config = _config(address, config, overrides)
@@ -79,10 +87,13 @@ class AsyncRolloutClient:
         self._closed = False
         self._decoder = codec.Decoder(codec.TO_CLIENT)
         self._unanswered = Unanswered()
+        cfg = self.config
+        self._watch = BrokerWatch(
+            cfg.heartbeat_interval_s * cfg.broker_liveness, cfg.broker_timeout_s, time.monotonic()
+        )
         self.identity = f"{self.config.name or 'client'}-{uuid.uuid4().hex[:8]}"
         """This client's name at the broker (its ZeroMQ identity), as status lists it."""
         self.transport: WeightTransport | None = None
-        """The weight-sync transport of the last ``update_weights``, kept (with its buffers) across rounds."""
 
     async def connect(self) -> AsyncRolloutClient:
         if self._sock is None:
@@ -118,12 +129,14 @@ class AsyncRolloutClient:
         """Send validated jobs (in batches of ``batch_size`` per message); futures per job."""
         loop = asyncio.get_running_loop()
         handles = []
+        if self._watch.gone:
+            raise self._unavailable()
         for job in jobs:
             if job.job_id in self._pending:
                 raise InvalidRequestError(f"job id {job.job_id!r} is already in flight", job_id=job.job_id)
         messages = pack_submits(jobs, self.config.batch_size, self.config.max_message_bytes)  # may refuse one
         for job in jobs:
-            handle = _Pending(loop.create_future(), asyncio.Queue() if stream else None)
+            handle = _Pending(job, loop.create_future(), asyncio.Queue() if stream else None)
             self._pending[job.job_id] = handle
             handles.append(handle)
         for ids, encoded in messages:
@@ -190,8 +203,9 @@ class AsyncRolloutClient:
         *,
         min_weight_version: int = 0,
         lora: str | None = None,
-    ) -> AsyncIterator[TokenDelta | Rollout]:
-        """Yield ``TokenDelta``s as tokens arrive, then the job's ``Rollout``s."""
+    ) -> AsyncIterator[TokenDelta | StreamRestarted | Rollout]:
+        """Yield ``TokenDelta``s as tokens arrive, then the job's ``Rollout``s. After a broker
+        restart the job runs again: a ``StreamRestarted`` says to drop its deltas so far."""
         sampling = sampling or p.SamplingParams()
         job = make_job(self._new_id(), prompt, sampling, stream=True, min_weight_version=min_weight_version, lora=lora)
         (handle,) = await self.submit_jobs([job], stream=True)
@@ -248,105 +262,75 @@ class AsyncRolloutClient:
             if future in self._sync_waiters:
                 self._sync_waiters.remove(future)
 
-    def _transport_for(self, transport: str | WeightTransport, master_addr: str | None) -> WeightTransport:
-        """The transport to use, kept across rounds: the one held if it matches, else a new one."""
-        if isinstance(transport, WeightTransport):
-            chosen = transport
-        else:
-            options = {} if master_addr is None else {"master_addr": master_addr}
-            held = self.transport
-            if held is not None and held.name == transport and held.options == options:
-                return held
-            chosen = make_transport(transport, **options)
-        if chosen is not self.transport and self.transport is not None:
-            self.transport.close()
-        self.transport = chosen
-        return chosen
-
-    async def update_weights(
-        self,
-        source: Any,
-        *,
-        transport: str | WeightTransport = "shm",
-        pause: str = "wait",
-        version: int | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout_s: float = 60.0,
-        check_names: bool = False,
-        master_addr: str | None = None,
-        direct_load: bool = True,
-    ) -> SyncReport:
-        """Push new policy weights into every worker; returns when every worker that stayed
-        serves them, with a ``SyncReport``.
-
-        ``source``: an ``nn.Module`` (its ``state_dict()``, tied weights once) or
-        ``(name, tensor)`` pairs with checkpoint names. ``transport``: ``"shm"`` (one host),
-        ``"cuda_ipc"`` (the GPUs of one node), ``"gloo"`` or ``"nccl"`` (any hosts; the
-        trainer listens on ``master_addr``, default 127.0.0.1), or a ``WeightTransport``; it
-        is kept, with its buffers, for the next call. ``pause``: what jobs in flight do
-        (``"abort"``, ``"wait"``, ``"keep"``). ``version``: default the fleet's + 1.
-        ``timeout_s``: per step; a worker that misses it is evicted. ``check_names``: compare
-        names with every worker's checkpoint first. ``direct_load``: False forces vLLM's
-        layerwise reload even where loading straight into the parameters qualifies.
-        """
-        chosen = self._transport_for(transport, master_addr)
-        return await _update_weights(
-            self,
-            chosen,
-            source,
-            pause=pause,
-            version=version,
-            bucket_bytes=bucket_bytes,
-            timeout_s=timeout_s,
-            check_names=check_names,
-            direct_load=direct_load,
-        )
-
-    async def update_lora(
-        self,
-        tensors: Any,
-        peft_config: Any,
-        *,
-        name: str = "default",
-        pause: str = "wait",
-        version: int | None = None,
-        timeout_s: float = 60.0,
-        bucket_bytes: int = LORA_BUCKET_BYTES,
-    ) -> SyncReport:
-        """Push a LoRA adapter into every worker's vLLM LoRA slot ``name``; returns a ``SyncReport``.
-
-        ``tensors``: ``(name, tensor)`` pairs or a dict, PEFT names (e.g. from
-        ``peft.get_peft_model_state_dict``); ``peft_config``: its ``adapter_config.json``
-        as a dict (or a peft ``LoraConfig``). Jobs sample with it by ``lora=name``.
-        Workers need ``--enable-lora``. The adapter's bytes travel in the steps,
-        ``bucket_bytes`` per step.
-        """
-        return await _update_lora(
-            self,
-            tensors,
-            peft_config,
-            name=name,
-            pause=pause,
-            version=version,
-            timeout_s=timeout_s,
-            bucket_bytes=bucket_bytes,
-        )
-
     # -- background ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             await self._send(p.HEARTBEAT, None)
+            state = self._watch.check(time.monotonic())
+            if state is BrokerState.LOST:
+                self._broker_lost()
+            elif state is BrokerState.GONE:
+                await self._broker_gone()
 
     async def _receive(self) -> None:
         assert self._sock is not None
         while True:
             frames = await self._sock.recv_multipart(copy=False)
+            if self._watch.heard(time.monotonic()):
+                log.info("broker at %s answers again", self.config.address)
             try:
                 msg = self._decoder.decode([f.buffer for f in frames])
             except RolloutError:
                 continue  # a broker of another version; nothing to attribute it to
+            if msg.command == p.HEARTBEAT and self._watch.liveness(msg.body):
+                await self._resubmit()
             self._dispatch(msg.command, msg.body)
+
+    # -- the broker lost, gone, back -------------------------------------------------------
+    def _broker_lost(self) -> None:
+        """No word for the expiry: jobs wait for it (ZeroMQ reconnects by itself), a sync step
+        fails now (its round died with the broker, or will be aborted)."""
+        log.warning("broker at %s silent for %.1f s; waiting for it", self.config.address, self._watch.expiry_s)
+        waiters, self._sync_waiters = self._sync_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(SyncError(f"the broker at {self.config.address} stopped answering mid-round"))
+
+    def _unavailable(self) -> BrokerUnavailableError:
+        return BrokerUnavailableError(
+            f"the broker at {self.config.address} has not answered for {self.config.broker_timeout_s} s "
+            "(ClientConfig.broker_timeout_s)"
+        )
+
+    async def _broker_gone(self) -> None:
+        """Lost for broker_timeout_s: every pending call fails (and its jobs are cancelled, in
+        case the broker comes back with them)."""
+        handles, self._pending = self._pending, {}
+        if handles:
+            with contextlib.suppress(RolloutError):
+                await self._send(p.CANCEL, list(handles))
+        for jid, handle in handles.items():
+            if handle.stream is not None:
+                handle.stream.put_nowait(None)
+            if not handle.future.done():
+                error = self._unavailable()
+                error.job_id = jid
+                handle.future.set_exception(error)
+
+    async def _resubmit(self) -> None:
+        """The broker restarted (or forgot us): send every unfinished job again, same ids."""
+        jobs = [msgspec.structs.replace(h.job, resubmitted=True) for h in self._pending.values()]
+        if not jobs:
+            return
+        log.warning("broker at %s restarted; resubmitting %d unfinished jobs", self.config.address, len(jobs))
+        for job in jobs:
+            stream = self._pending[job.job_id].stream
+            if stream is not None:
+                stream.put_nowait(StreamRestarted(job.job_id))
+        for ids, encoded in pack_submits(jobs, self.config.batch_size, self.config.max_message_bytes):
+            self._unanswered.sent(ids)
+            await self._send(p.SUBMIT, encoded)
 
     def _dispatch(self, command: bytes, body: Any) -> None:
         pending, unanswered = self._pending, self._unanswered

@@ -39,7 +39,7 @@ TO_CLIENT: dict[bytes, Any] = {
     p.BUSY: list[p.ErrorItem],
     p.STATUS_REPLY: p.StatusReply,
     p.SYNC_REPLY: p.SyncReply,
-    p.HEARTBEAT: None,
+    p.HEARTBEAT: p.Liveness | None,  # nil from brokers before epochs
 }
 FROM_WORKER: dict[bytes, Any] = {
     p.READY: p.WorkerInfo,

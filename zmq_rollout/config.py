@@ -53,8 +53,12 @@ class ClientConfig:
     """Seconds a generate() or submit() call waits for its jobs (inf: no limit)."""
     request_timeout_s: float = 10.0
     """Seconds a control call (status, a sync step beyond its own timeout) waits for the broker."""
-    heartbeat_interval_s: float = 5.0
-    """Seconds between the client's heartbeats; the broker drops a silent client's jobs after client_expiry_s."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats; the broker answers each (and drops a client silent past client_expiry_s)."""
+    broker_liveness: int = 5
+    """The broker counts as lost after heartbeat_interval_s x broker_liveness without a word (a sync step fails)."""
+    broker_timeout_s: float = 30.0
+    """Pending calls fail with BrokerUnavailableError once the broker has been lost this long."""
     batch_size: int = 512
     """Jobs per SUBMIT message at most when a call submits many (1..4096)."""
     max_message_bytes: int = 64 << 20
@@ -63,7 +67,7 @@ class ClientConfig:
     """A label for this client in the broker's status and metrics (default: client)."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "request_timeout_s", "heartbeat_interval_s"):
+        for name in ("timeout_s", "request_timeout_s", "heartbeat_interval_s", "broker_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and not math.isnan(value)):
                 raise ValueError(f"ClientConfig.{name} must be a positive number of seconds, got {value!r}")

@@ -10,11 +10,13 @@
     ├── JobCancelledError        the job was cancelled before it finished
     ├── RolloutTimeoutError      nothing came back in time (the message names the setting)
     ├── SyncError                a weight-sync round or one of its steps failed
-    └── ClientClosedError        the client was closed while the call was pending
+    ├── BrokerUnavailableError   the broker has not answered for ClientConfig.broker_timeout_s
+    └── ClientClosedError        the client was closed (or its socket failed) while the call was pending
 
 Errors that cross the wire carry a ``code`` (a short string, see ``ErrorCode``); the
 client turns each code into exactly one class here, in ``error_from_code``. ZeroMQ
-errors are translated in exactly one place too (``zmq_rollout.transport``).
+errors are translated in exactly one place too: ``AsyncRolloutClient._send`` (ZeroMQ) and
+``zmq_rollout.weight_sync.update`` (the data plane).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class SyncError(RolloutError):
     code = "sync"
 
 
+class BrokerUnavailableError(RolloutError):
+    code = "broker_unavailable"
+
+
 _BY_CODE: dict[str, type[RolloutError]] = {
     cls.code: cls
     for cls in (
@@ -73,6 +79,7 @@ _BY_CODE: dict[str, type[RolloutError]] = {
         RolloutTimeoutError,
         ClientClosedError,
         SyncError,
+        BrokerUnavailableError,
     )
 }
 

@@ -9,6 +9,7 @@ services (broker, workers) are imported when a cluster starts, not with this mod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -59,12 +60,21 @@ class LocalCluster:
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self._client: RolloutClient | None = None
+        self._endpoints = ("", "")
 
     @property
     def address(self) -> str:
         """The broker's frontend (clients connect here)."""
         assert self.broker is not None, "start() first"
-        return self.broker.broker.frontend_address
+        return self._endpoints[0]
+
+    def _start_broker(self, config: BrokerConfig) -> None:
+        from zmq_rollout.broker.server import BrokerThread
+
+        thread = BrokerThread(config)
+        # Read before the broker's thread owns its sockets (they are not thread-safe).
+        self._endpoints = (thread.broker.frontend_address, thread.broker.backend_address)
+        self.broker = thread.__enter__()
 
     @property
     def metrics_port(self) -> int | None:
@@ -73,22 +83,26 @@ class LocalCluster:
         return self.broker.broker.metrics_port
 
     def start(self, wait_s: float = 300.0) -> LocalCluster:
-        from zmq_rollout.broker.server import BrokerThread
-
-        self.broker = BrokerThread(self.broker_config).__enter__()
+        self._start_broker(self.broker_config)
         self._client = RolloutClient(self.address, name="local-cluster")
         for i in range(self.num_workers):
             self.start_worker(f"worker-{i}")
         self.wait_for_workers(self.num_workers, wait_s)
         return self
 
+    def restart_broker(self) -> None:
+        """Stop the broker (its queues are lost, as when its process dies) and start a new one
+        on the same addresses; clients and workers find it by themselves."""
+        assert self.broker is not None, "start() first"
+        frontend, backend = self._endpoints
+        self.broker.close()
+        self._start_broker(dataclasses.replace(self.broker_config, frontend=frontend, backend=backend))
+
     def start_worker(self, name: str) -> subprocess.Popen[bytes]:
         from zmq_rollout.workers.main import worker_command
 
         assert self.broker is not None, "start() first"
-        config = WorkerConfig(
-            broker=self.broker.broker.backend_address, model=self.model, name=name, **self.worker_overrides
-        )
+        config = WorkerConfig(broker=self._endpoints[1], model=self.model, name=name, **self.worker_overrides)
         out: Any = subprocess.DEVNULL
         if self.log_dir:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed in stop()

@@ -93,3 +93,12 @@ def to_rollouts(result: p.Result, prompt_index: int = 0) -> list[Rollout]:
         )
         for s in sorted(result.samples, key=lambda s: s.index)
     ]
+
+
+@dataclass
+class StreamRestarted:
+    """In a stream: the broker restarted, and the job runs again from its first token under
+    the same job id. Drop this job's ``TokenDelta``s so far; the final ``Rollout`` is the run
+    that finished."""
+
+    job_id: str

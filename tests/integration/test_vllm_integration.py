@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -33,6 +36,12 @@ from zmq_rollout.config import BrokerConfig
 from zmq_rollout.local import LocalCluster
 
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 7)] for i in range(12)]
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +273,47 @@ def test_sigkilled_worker_jobs_finish_elsewhere_exactly_once(cluster: LocalClust
     after = cluster.status().totals
     assert after.requeued - before.requeued >= running_on_victim > 0
     assert after.completed - before.completed == 24  # each job's final exactly once
+
+
+def test_a_worker_started_before_its_broker_joins_when_the_broker_appears(tiny_model: str) -> None:
+    from zmq_rollout.broker.server import BrokerThread
+    from zmq_rollout.config import WorkerConfig
+    from zmq_rollout.local import LOCAL_WORKER_DEFAULTS
+    from zmq_rollout.workers.main import worker_command
+
+    front, back = free_address(), free_address()
+    config = WorkerConfig(broker=back, model=tiny_model, name="early", **LOCAL_WORKER_DEFAULTS)
+    proc = subprocess.Popen(worker_command(config), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the engine is up and the worker says READY to nobody
+            if "READY to" in line:
+                break
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe from filling
+        broker = BrokerThread(BrokerConfig(frontend=front, backend=back))
+        with broker, RolloutClient(front, timeout_s=120) as client:
+            poll_until(lambda: any(w.name == "early" for w in client.status().workers), 60, "the worker to join")
+            (rollout,) = client.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+            assert rollout.worker_id == "early" and len(rollout.token_ids) == 4
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def test_broker_restart_with_jobs_on_real_workers_each_finishes_once(
+    cluster: LocalCluster, client: RolloutClient
+) -> None:
+    """Last in this module: the broker's queues are gone after it. The client resubmits what
+    had no answer; the workers, unknown to the new broker, reconnect and take it."""
+    futures = [
+        client.submit([i + 3, i + 9], SamplingParams(max_tokens=300, ignore_eos=True, seed=i)) for i in range(8)
+    ]
+    poll_until(lambda: cluster.status().running > 0, 60, "jobs to run on the workers")
+    workers = len(cluster.registered())
+    cluster.restart_broker()
+    results = [f.result(timeout=300) for f in futures]
+    assert all(len(r) == 1 and len(r[0].token_ids) == 300 for r in results)
+    assert [r[0].prompt_token_ids for r in results] == [[i + 3, i + 9] for i in range(8)]
+    cluster.wait_for_workers(workers, 120)  # every worker found the new broker by itself
+    totals = cluster.status().totals
+    assert 0 < totals.submitted == totals.completed <= 8  # what the new broker got, each once

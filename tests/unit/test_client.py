@@ -329,6 +329,7 @@ def test_blocking_close_fails_pending_futures(start_broker: Any, start_double: A
 def test_public_api_is_pinned() -> None:
     assert zmq_rollout.__all__ == [
         "AsyncRolloutClient",
+        "BrokerUnavailableError",
         "BusyError",
         "ChatMessage",
         "ClientClosedError",
@@ -341,6 +342,7 @@ def test_public_api_is_pinned() -> None:
         "RolloutError",
         "RolloutTimeoutError",
         "SamplingParams",
+        "StreamRestarted",
         "SyncError",
         "SyncReport",
         "TokenDelta",

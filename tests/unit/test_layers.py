@@ -4,7 +4,8 @@ From the bottom (docs/architecture.md draws the same picture)::
 
     tools       zmq_rollout.cli, .demo, .local           (import the services lazily, in functions)
     services    zmq_rollout.broker.*  |  zmq_rollout.workers.*     (never each other)
-    client      zmq_rollout.client, .blocking, .rollouts, .testing, and the package's __init__
+    client      zmq_rollout.client, .blocking, .rollouts, .sync_methods, .submissions, .liveness,
+                .testing, and the package's __init__
     data plane  zmq_rollout.weight_sync.*
     base        zmq_rollout.protocol.*, .codec, .errors, .config, .settings, .batching, .metrics, .tiny_model
 
@@ -29,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "zmq_rollout.settings", "zmq_rollout.batching", "zmq_rollout.metrics", "zmq_rollout.tiny_model")),
     ("data plane", ("zmq_rollout.weight_sync",)),
     ("client", ("zmq_rollout.client", "zmq_rollout.blocking", "zmq_rollout.rollouts", "zmq_rollout.testing",
-                "zmq_rollout")),
+                "zmq_rollout.sync_methods", "zmq_rollout.submissions", "zmq_rollout.liveness", "zmq_rollout")),
     ("services", ("zmq_rollout.broker", "zmq_rollout.workers")),
     ("tools", ("zmq_rollout.cli", "zmq_rollout.demo", "zmq_rollout.local")),
 ]  # fmt: skip

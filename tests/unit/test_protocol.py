@@ -174,11 +174,13 @@ def test_extra_trailing_array_items_are_ignored() -> None:
         False,
         3,
         "adapter",
+        True,
         "future-field",
         99,
     ]
     (job,) = _decode("FROM_CLIENT", _submit_frames(raw)).body
-    assert job == p.JobSpec("j", p.SamplingParams(n=2), prompt="hi", min_weight_version=3, lora="adapter")
+    want = p.JobSpec("j", p.SamplingParams(n=2), prompt="hi", min_weight_version=3, lora="adapter", resubmitted=True)
+    assert job == want
     ready = [p.SIGNATURE, p.READY, msgpack.packb(["w0", "tiny", 8, 1, [], 0, 1, {"future": True}])]
     assert _decode("FROM_WORKER", ready).body == p.WorkerInfo("w0", "tiny", 8, 1)
 

@@ -561,3 +561,15 @@ def test_time_the_broker_itself_stalled_is_not_a_peer_silence() -> None:
     assert W1 in s.workers and A in s.clients
     s.tick(24.0)  # 4 s of real silence after the stall
     assert W1 not in s.workers
+
+
+def test_a_resubmitted_job_already_here_is_acknowledged_once_a_plain_duplicate_refused() -> None:
+    s = make()
+    s.submit(A, [p.JobSpec("a0", prompt="x")], now=0.0)
+    s.outbox.take()
+    s.submit(A, [p.JobSpec("a0", prompt="x", resubmitted=True), p.JobSpec("a1", prompt="y", resubmitted=True)], 1.0)
+    assert body(s.outbox.take(), CLIENT, A, p.ACCEPTED) == ["a0", "a1"]
+    assert s.num_queued == 2 and s.stats.submitted == 2  # a0 once
+    s.submit(A, [p.JobSpec("a0", prompt="x")], now=2.0)
+    (err,) = body(s.outbox.take(), CLIENT, A, p.ERROR)
+    assert err.code == "invalid_request" and "already in flight" in err.message

@@ -50,7 +50,7 @@ from .commands import (
     SYNC,
     SYNC_REPLY,
 )
-from .fleet import ClientStatus, JobTotals, StatusReply, WorkerInfo, WorkerStatus
+from .fleet import ClientStatus, JobTotals, Liveness, StatusReply, WorkerInfo, WorkerStatus
 from .jobs import (
     Assignment,
     ChatMessage,
@@ -99,7 +99,7 @@ __all__ = [
     "SUBMIT", "SYNC", "SYNC_OPS", "SYNC_REPLY",
     "Abort", "AckResult", "AnySyncOp", "Assignment", "Begin", "BeginUpdate", "Bucket", "ChatMessage",
     "CheckNames", "ClientStatus", "Commit", "Control", "ControlAck", "CudaIpcHandle", "Delta", "DeltaRelay",
-    "ErrorItem", "Evicted", "FinishUpdate", "JobSpec", "JobTotals", "JoinGroup", "LeaveGroup", "LoadIpc",
+    "ErrorItem", "Evicted", "FinishUpdate", "JobSpec", "JobTotals", "JoinGroup", "LeaveGroup", "Liveness", "LoadIpc",
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
     "SamplingParams", "StatusReply", "Struct", "SyncOp", "SyncReply", "SyncStep", "TensorMeta", "WorkerAck",
     "WorkerInfo", "WorkerStatus",

@@ -26,6 +26,16 @@ class WorkerInfo(Struct):
         check_int("weight_version", self.weight_version, 0, MAX_VERSION)
 
 
+class Liveness(Struct):
+    """broker -> client HEARTBEAT: who answers, so that a client can tell a restart."""
+
+    epoch: str
+    """This broker process's id, new at every start."""
+    new_session: bool = False
+    """The broker did not know this client before this heartbeat (it restarted, or the client
+    was silent past client_expiry_s): nothing the client had in flight is there any more."""
+
+
 class WorkerStatus(Struct):
     name: str
     state: str

@@ -84,6 +84,9 @@ class JobSpec(Struct):
     min_weight_version: int = 0
     lora: str | None = None
     """The LoRA adapter to sample with (a name given to ``update_lora``); None: the base model."""
+    resubmitted: bool = False
+    """Sent again after the broker restarted or forgot the client: a job of this id that the
+    broker already has is acknowledged, not refused as a duplicate, and runs once."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID):
