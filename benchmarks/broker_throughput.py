@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 @dataclass(frozen=True)
 class Setup:
-    kind: str  # broker | library | proxy | http
+    kind: str  # broker | curve (the broker with CurveZMQ on both ports) | library | proxy | http
     clients: int
     workers: int
     batch: int
@@ -46,6 +47,7 @@ class Setup:
     def name(self) -> str:
         label = {
             "broker": "broker",
+            "curve": "broker+curve",
             "library": "broker+RolloutClient",
             "proxy": "zmq.proxy",
             "http": "HTTP",
@@ -133,6 +135,9 @@ def wait_registered(address: str, num_workers: int, timeout: float = 30.0) -> No
 
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    keys = roles.curve_keys()
+    if keys is not None:
+        keys.apply(sock)
     sock.connect(address)
     decoder = codec.Decoder(codec.TO_CLIENT)
     deadline = time.monotonic() + timeout
@@ -182,6 +187,10 @@ def start_servers(
 
 def run_throughput(setup: Setup, args: argparse.Namespace, profile: tuple[str, str] | None = None) -> dict[str, Any]:
     """One case. ``profile``: (``py-spy`` or ``cprofile``, output path) profiles the broker."""
+    if setup.kind == "curve":  # every process of the case (spawned: they read it at start) uses the keys
+        os.environ[roles.CURVE_ENV] = roles.make_curve_keys(args.keys_dir)
+    else:
+        os.environ.pop(roles.CURVE_ENV, None)
     g, spy = Group(), None
     try:
         cprofile_out = profile[1] if profile and profile[0] == "cprofile" else None
@@ -193,6 +202,7 @@ def run_throughput(setup: Setup, args: argparse.Namespace, profile: tuple[str, s
         else:
             target = {
                 "broker": roles.submit_client,
+                "curve": roles.submit_client,
                 "library": roles.library_client,
                 "proxy": roles.raw_client,
             }[setup.kind]
@@ -201,7 +211,7 @@ def run_throughput(setup: Setup, args: argparse.Namespace, profile: tuple[str, s
             for i in range(setup.clients)
         ]
         g.expect("ready", tags + worker_tags)
-        if setup.kind in ("broker", "library"):
+        if setup.kind in ("broker", "curve", "library"):
             wait_registered(address, setup.workers)
         t_begin, t_end = g.start_window(args.warmup, args.duration)
         time.sleep(max(0.0, t_begin - time.monotonic()))
@@ -316,6 +326,7 @@ def main() -> None:
     )
     ap.add_argument("--profile-out", default="broker-profile", help="profile data path (no suffix)")
     args = ap.parse_args()
+    args.keys_dir = tempfile.mkdtemp(prefix="zr-bench-keys-")
     args.duration = args.duration or (1.0 if args.quick else 5.0)
     args.warmup = args.warmup if args.warmup is not None else (0.25 if args.quick else 1.0)
     args.latency_count = args.latency_count or (500 if args.quick else 5000)
@@ -333,6 +344,9 @@ def main() -> None:
         for c in (1, 8)
         for w in (1, 8, 64)
         for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
+    ]
+    setups += [  # the cost of CurveZMQ: the same cases with keys on both ports
+        Setup("curve", c, c, b, win) for c in (1, 8) for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
     ]
     setups.append(Setup("library", 1, 8, BATCH, BATCH_WINDOW))
     setups += [Setup("proxy", c, c, b, win) for c in (1, 8) for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))]

@@ -137,6 +137,11 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
     ratios["broker_unbatched_1c1w/http_unbatched"] = _ratio(
         _find(rows, "broker", 1, 1, False), _find(rows, "http", 1, 0, False)
     )
+    for n in (1, 8):  # what CurveZMQ costs: the same case with keys on both ports
+        for batched, label in ((False, "unbatched"), (True, "batched")):
+            ratios[f"curve_{label}/broker_{label}_{n}c{n}w"] = _ratio(
+                _find(rows, "curve", n, n, batched), _find(rows, "broker", n, n, batched)
+            )
     if rows:
         print("\nratios")
         for name, value in ratios.items():

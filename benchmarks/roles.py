@@ -62,6 +62,32 @@ def role(fn: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
+CURVE_ENV = "ZMQ_ROLLOUT_BENCH_KEYS"
+"""Set (to a keys folder) for a ``curve`` case: the broker requires CurveZMQ and every peer has keys."""
+
+
+def make_curve_keys(folder: str) -> str:
+    """A broker keypair and one peer keypair (on the allow-list) in ``folder``, made once."""
+    from zmq_rollout.curve import generate_keypair
+
+    if not os.path.exists(os.path.join(folder, "broker.key_secret")):
+        generate_keypair(folder, "broker")
+        generate_keypair(os.path.join(folder, "allowed"), "peer")
+    return folder
+
+
+def curve_keys() -> Any:
+    """The peer keys (``PeerKeys``) of a ``curve`` case, or None."""
+    folder = os.environ.get(CURVE_ENV)
+    if not folder:
+        return None
+    from zmq_rollout.curve import PeerKeys
+
+    return PeerKeys.from_files(
+        os.path.join(folder, "broker.key"), os.path.join(folder, "allowed", "peer.key_secret"), "benchmark"
+    )
+
+
 def _stop_event() -> threading.Event:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -73,6 +99,9 @@ def _socket(kind: int, address: str, *, bind: bool = False, identity: str = "") 
     sock.setsockopt(zmq.LINGER, 0)
     if identity:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
+    keys = None if bind else curve_keys()
+    if keys is not None:
+        keys.apply(sock)
     if bind:
         sock.bind(address)
     else:
@@ -87,7 +116,9 @@ def broker(report: Any, tag: str, profile_path: str | None) -> None:
     from zmq_rollout.broker.server import Broker
     from zmq_rollout.config import BrokerConfig
 
-    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    folder = os.environ.get(CURVE_ENV)
+    curve = {"curve_secret_key": f"{folder}/broker.key_secret", "allow_keys": f"{folder}/allowed"} if folder else {}
+    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", **curve))
     signal.signal(signal.SIGTERM, lambda *_: b.stop())
     report.put(("ready", tag, (b.frontend_address, b.backend_address)))
     if profile_path is None:
@@ -163,7 +194,8 @@ def echo_doubles(report: Any, tag: str, address: str, num: int, credits: int) ->
     from zmq_rollout.testing import EchoWorkerDouble
 
     stop = _stop_event()
-    workers = [EchoWorkerDouble(address, credits=credits, name=f"{tag}-{i}").start() for i in range(num)]
+    keys = curve_keys()
+    workers = [EchoWorkerDouble(address, credits=credits, name=f"{tag}-{i}", curve=keys).start() for i in range(num)]
     report.put(("ready", tag, None))
     while not stop.wait(0.25):
         for w in workers:

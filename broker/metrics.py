@@ -3,21 +3,25 @@
 The scheduler keeps plain counters (``stats.BrokerStats``); this collector turns them and the
 live queue/worker state into metric families when Prometheus scrapes, so the broker's hot
 path never touches a Prometheus object. Own ``CollectorRegistry``; no job ids in labels.
+Jobs and queues are here; each worker, sync rounds and staleness in ``fleet_metrics.py``.
+Every family is listed in docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from zmq_rollout.metrics import start_metrics_server
 
+from .fleet_metrics import histogram as _histogram
+from .fleet_metrics import sync_families, worker_families
 from .scheduler import Scheduler
-from .stats import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +39,11 @@ _COUNTERS = {
 }
 
 
-def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
-    return HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
-
-
 class SchedulerCollector:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, clock: Callable[[], float] = time.monotonic) -> None:
         self.scheduler = scheduler
+        self.clock = clock
+        """The scheduler's clock (the broker passes ``time.monotonic()`` as ``now``): heartbeat ages."""
 
     def collect(self) -> Iterator[Metric]:
         # The broker thread mutates these dicts while we read: copy first, retry on a race.
@@ -65,6 +67,14 @@ class SchedulerCollector:
         for reason, count in list(stats.malformed.items()):
             malformed.add_metric([reason], count)
         yield malformed
+        auth = CounterMetricFamily(
+            "zmq_rollout_auth_failures",
+            "Failed CurveZMQ handshakes by port (frontend, backend) and reason (key_not_allowed, handshake).",
+            labels=["port", "reason"],
+        )
+        for (port, reason), count in list(stats.auth_failures.items()):
+            auth.add_metric([port, reason], count)
+        yield auth
         yield _histogram("zmq_rollout_job_latency_seconds", "Submit to final result, per job.", stats.job_latency)
         yield _histogram("zmq_rollout_queue_wait_seconds", "Submit to dispatch, per job attempt.", stats.queue_wait)
         depth = GaugeMetricFamily("zmq_rollout_queue_depth", "Queued jobs per client.", labels=["client"])
@@ -91,6 +101,8 @@ class SchedulerCollector:
             "zmq_rollout_credits_free", "Credits not in use.", value=sum(max(0, w.credits_free) for w in workers)
         )
         yield GaugeMetricFamily("zmq_rollout_queued_jobs", "Queued jobs across clients.", value=s.num_queued)
+        yield from worker_families(s, self.clock())
+        yield from sync_families(s)
 
 
 def serve_metrics(scheduler: Scheduler, port: int, addr: str = "127.0.0.1") -> Any:

@@ -9,7 +9,9 @@ Invariants:
 - a worker never holds more credits of work than it announced, except that a job larger
   than all of a worker's credits may run alone on an idle worker;
 - each job gets exactly one FINAL or ERROR to its client: results under a ticket that is
-  no longer running on *that* worker (requeued, cancelled, expired) are dropped.
+  no longer running on *that* worker (requeued, cancelled, expired) are dropped, and a job
+  sent again after a restart (``resubmitted``) that this broker already answered is not
+  run again (it remembers the jobs it answered in a client's first ``client_expiry_s``).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
 
 from .outbox import Outbox
+from .staleness import observe_crossing
 from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
 from .stats import BrokerStats
 from .sync import SyncCoordinator
 
 log = logging.getLogger(__name__)
+
+MAX_REMEMBERED = 100_000  # answered job ids kept per client for resubmissions (see ClientState.finished)
 
 
 class Scheduler:
@@ -53,7 +58,7 @@ class Scheduler:
     def _client(self, identity: ClientId, now: float) -> ClientState:
         client = self.clients.get(identity)
         if client is None:
-            client = self.clients[identity] = ClientState(identity, peer_name(identity), now)
+            client = self.clients[identity] = ClientState(identity, peer_name(identity), now, since=now, finished=set())
             log.info("client %s connected", client.name)
         client.last_seen = now
         return client
@@ -68,8 +73,8 @@ class Scheduler:
         cfg = self.config
         for spec in jobs:
             jid = spec.job_id
-            if spec.resubmitted and (jid in client.queued or jid in client.running):
-                accepted.append(jid)  # sent again after a restart it did not see: it is here, once
+            if spec.resubmitted and (jid in client.queued or jid in client.running or jid in (client.finished or ())):
+                accepted.append(jid)  # sent again after a restart it did not see: it is (or was) here, once
             elif jid in client.queued or jid in client.running:
                 self.outbox.to_client(
                     identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight")
@@ -159,6 +164,7 @@ class Scheduler:
             )
             # A late joiner gets no jobs until a round brings it to the fleet's version.
             worker.accepting = self.sync.is_current(worker)
+            self.stats.worker_joined(info.name)
             log.info(
                 "worker %s joined: model=%s credits=%d version=%d",
                 info.name,
@@ -167,6 +173,8 @@ class Scheduler:
                 info.weight_version,
             )
         else:
+            if info.name != worker.info.name:
+                self.stats.worker_renamed(worker.info.name, info.name, now)
             worker.info, worker.credits, worker.weight_version = info, info.credits, info.weight_version
         worker.last_seen = now
         self.dispatch_soon(now)
@@ -203,14 +211,32 @@ class Scheduler:
         worker = self.worker_seen(identity, now)
         if worker is None:
             return
+        stats = self.stats
+        fleet = self.sync.fleet_version
+        done = fresh = 0
         for result in results:
             job = self._finish(worker, result.key)
             if job is None:
                 continue
             result.key = job.spec.job_id
             self.outbox.to_client(job.client, p.FINAL, result)
-            self.stats.completed += 1
-            self.stats.observe_done(now - job.submitted_at)
+            done += 1
+            stats.observe_done(now - job.submitted_at)
+            # Staleness (staleness.py): n samples of the version the job was dispatched at, unless a
+            # sync came meanwhile; counted at once for the usual case, samples of the fleet's version.
+            version = result.weight_version
+            if version != job.dispatched_version:
+                observe_crossing(stats, result.samples, job.spec.sampling.n, version, fleet)
+            elif version >= fleet:
+                fresh += job.spec.sampling.n
+            else:
+                stats.staleness.observe_many(fleet - version, job.spec.sampling.n)
+        if fresh:
+            stats.staleness.observe_many(0, fresh)
+        stats.completed += done
+        tally = stats.workers.get(worker.info.name)
+        if tally is not None:
+            tally.completed += done
         self.dispatch_soon(now)
 
     def worker_error(self, identity: WorkerId, errors: list[p.ErrorItem], now: float) -> None:
@@ -225,6 +251,13 @@ class Scheduler:
             self.stats.failed += 1
         self.dispatch_soon(now)
 
+    @staticmethod
+    def _answered(client: ClientState, job_id: str) -> None:
+        """Remember an answered job while its client's session is young (``ClientState.finished``)."""
+        finished = client.finished
+        if finished is not None and len(finished) < MAX_REMEMBERED:
+            finished.add(job_id)
+
     def _finish(self, worker: WorkerState, ticket: object) -> Job | None:
         job = worker.running.pop(ticket, None)  # type: ignore[call-overload]
         if job is None:
@@ -234,6 +267,8 @@ class Scheduler:
         client = self.clients.get(job.client)
         if client is not None:
             client.running.pop(job.spec.job_id, None)
+            if client.finished is not None:
+                self._answered(client, job.spec.job_id)
         return job
 
     def worker_gone(self, identity: WorkerId, reason: str, now: float) -> None:
@@ -249,6 +284,7 @@ class Scheduler:
                 continue
             if job.attempts >= self.config.max_attempts:
                 failed += 1
+                self._answered(client, job.spec.job_id)
                 self.outbox.to_client(
                     job.client,
                     p.ERROR,
@@ -264,6 +300,7 @@ class Scheduler:
             requeued += 1
         self.stats.requeued += requeued
         self.stats.failed += failed
+        self.stats.worker_lost(worker.info.name, reason, requeued, now)
         log.info("worker %s gone (%s): %d jobs requeued, %d failed", worker.info.name, reason, requeued, failed)
         self.dispatch_soon(now)
 
@@ -285,7 +322,11 @@ class Scheduler:
             self.worker_gone(identity, "heartbeat expired", now)
         for identity in [c for c, s in self.clients.items() if now - s.last_seen > cfg.client_expiry_s]:
             self.client_gone(identity, "heartbeat expired", now)
+        for client in self.clients.values():
+            if client.finished is not None and now - client.since > cfg.client_expiry_s:
+                client.finished = None  # past the time a resubmission comes in
         self.sync.tick(now)
+        self.stats.forget_gone_workers(now)
         for identity in self.workers:
             self.outbox.to_worker(identity, p.HEARTBEAT, None)
 
@@ -362,6 +403,7 @@ class Scheduler:
         job.ticket = next(self._tickets)
         job.attempts += 1
         job.dispatched_at = now
+        job.dispatched_version = worker.weight_version
         worker.running[job.ticket] = job
         worker.credits_used += job.cost
         client.running[job.spec.job_id] = (worker.identity, job.ticket)

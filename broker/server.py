@@ -7,7 +7,9 @@ input is answered and counted here and never reaches the scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -19,7 +21,16 @@ import zmq
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
-from zmq_rollout.errors import ProtocolError
+from zmq_rollout.curve import (
+    HANDSHAKE_EVENTS,
+    AllowList,
+    Keypair,
+    ZapHandler,
+    handshake_failure,
+    monitor_socket,
+    serve_with_curve,
+)
+from zmq_rollout.errors import ConfigError, ProtocolError
 
 from .outbox import CLIENT, WORKER
 from .scheduler import Scheduler
@@ -38,16 +49,16 @@ def split_submit(header: Any) -> tuple[list[p.JobSpec], list[p.ErrorItem]]:
     header is not even a list."""
     try:
         raws = _raw_list.decode(header)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except codec.DECODE_ERRORS as exc:
         raise ProtocolError(f"invalid submit message: {exc}") from None
     jobs, errors = [], []
     for raw in raws:
         try:
             jobs.append(_job_decoder.decode(raw))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except codec.DECODE_ERRORS as exc:
             try:
                 obj = _any.decode(raw)
-            except msgspec.DecodeError:
+            except codec.DECODE_ERRORS:
                 obj = None
             key = obj[0] if isinstance(obj, list) and obj and isinstance(obj[0], str) else None
             errors.append(p.ErrorItem(key, "invalid_request", f"invalid job: {exc}"))
@@ -63,9 +74,26 @@ class Broker:
         self.scheduler.defer_dispatch = True  # dispatched once per loop pass, in _flush
         self.epoch = uuid.uuid4().hex[:12]
         """This broker process's id in heartbeat replies: a client that sees it change resubmits."""
-        self._ctx = context or zmq.Context.instance()
-        self.frontend = self._router(self.config.frontend)
-        self.backend = self._router(self.config.backend)
+        self._own_ctx: zmq.Context[Any] | None = None
+        self._zap: ZapHandler | None = None
+        self._keypair = self._curve_setup(context)
+        self._ctx = context or self._own_ctx or zmq.Context.instance()
+        self._monitors: dict[zmq.Socket[Any], str] = {}
+        self._auth_logged: dict[tuple[str, str], float] = {}
+        self._sockets: list[zmq.Socket[Any]] = []
+        try:
+            self.frontend = self._router(self.config.frontend, "frontend")
+            self.backend = self._router(self.config.backend, "backend")
+        except BaseException:  # an address in use, say: leave no socket, thread or context behind
+            self._release()
+            raise
+        if self._keypair is None:
+            log.warning(
+                "no CurveZMQ keys: the broker's ports (%s, %s) accept any peer, unencrypted "
+                "(set curve_secret_key and allow_keys to require keys; docs/security.md)",
+                self.frontend_address,
+                self.backend_address,
+            )
         self._from_client = codec.Decoder(codec.FROM_CLIENT)
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
@@ -75,8 +103,27 @@ class Broker:
 
             self._metrics_server = serve_metrics(self.scheduler, self.config.metrics_port, self.config.metrics_host)
 
-    def _router(self, address: str) -> zmq.Socket[Any]:
+    def _curve_setup(self, context: zmq.Context[Any] | None) -> Keypair | None:
+        """The broker's keypair and a ZAP handler on its context, if keys are configured."""
+        cfg = self.config
+        if not (cfg.curve_secret_key or cfg.allow_keys):
+            return None
+        if not (cfg.curve_secret_key and cfg.allow_keys):
+            raise ConfigError("BrokerConfig: set both curve_secret_key and allow_keys, or neither")
+        keypair = Keypair.load(cfg.curve_secret_key, "curve_secret_key")
+        allow = AllowList(cfg.allow_keys)
+        if context is None:  # a context has one ZAP handler: the broker gets its own
+            self._own_ctx = zmq.Context()
+        self._zap = ZapHandler(context or self._own_ctx, allow)  # type: ignore[arg-type]
+        self.scheduler.stats.auth_failures.update(
+            {(port, reason): 0 for port in ("frontend", "backend") for reason in ("key_not_allowed", "handshake")}
+        )
+        log.info("CurveZMQ on: %d allowed keys in %s", len(allow.keys), cfg.allow_keys)
+        return keypair
+
+    def _router(self, address: str, port: str) -> zmq.Socket[Any]:
         sock = self._ctx.socket(zmq.ROUTER)
+        self._sockets.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -84,6 +131,9 @@ class Broker:
         # Hard cap: ZeroMQ drops the connection of a peer that sends more than twice the
         # soft limit; up to that, we answer with a clear error.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        if self._keypair is not None:
+            serve_with_curve(sock, self._keypair, domain=port)
+            self._monitors[monitor_socket(sock, HANDSHAKE_EVENTS)] = port
         sock.bind(address)
         return sock
 
@@ -107,6 +157,8 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        for monitor in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
         try:
@@ -123,6 +175,9 @@ class Broker:
                     self._read(self.backend, self._on_worker, now)
                 if self.frontend in ready:
                     self._read(self.frontend, self._on_client, now)
+                for monitor in self._monitors:
+                    if monitor in ready:
+                        self._read_handshakes(monitor, now)
                 if now >= next_tick:
                     self.scheduler.tick(now)
                     next_tick = now + interval
@@ -134,11 +189,50 @@ class Broker:
         self._stop.set()
 
     def _close(self) -> None:
-        self.frontend.close(linger=0)
-        self.backend.close(linger=0)
+        self._release()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         log.info("broker stopped")
+
+    def _release(self) -> None:
+        """Close the sockets, the monitors, the ZAP handler and an own context."""
+        for sock in self._sockets:
+            if self._monitors:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.disable_monitor()
+            sock.close(linger=0)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
+        if self._own_ctx is not None:
+            self._own_ctx.term()
+
+    def _read_handshakes(self, monitor: zmq.Socket[Any], now: float) -> None:
+        """Count failed handshakes (a refused key, a plaintext peer, a wrong broker key); log
+        each kind once a minute per port (the ZAP handler logs each refused key once)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        port = self._monitors[monitor]
+        for _ in range(_READ_BATCH):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reason = handshake_failure(event["event"], event["value"])
+            if reason is None:
+                continue
+            key = (port, reason)
+            failures = self.scheduler.stats.auth_failures
+            failures[key] = failures.get(key, 0) + 1
+            if now - self._auth_logged.get(key, -math.inf) >= 60:
+                self._auth_logged[key] = now
+                log.warning(
+                    "%s: a peer failed the CurveZMQ handshake (%s; %d so far)",
+                    port,
+                    "its key is not allowed" if reason == "key_not_allowed" else "plaintext, or a wrong broker key",
+                    failures[key],
+                )
 
     def _read(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
         """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``."""
@@ -271,6 +365,11 @@ class BrokerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop still runs (it stops on ``close`` or on an exception it let through)."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self.broker.stop()

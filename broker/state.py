@@ -23,6 +23,8 @@ class Job:
     submitted_at: float
     ticket: int = 0
     dispatched_at: float = 0.0
+    dispatched_version: int = 0
+    """Its worker's weight version when dispatched: a result of another version crossed a sync."""
     attempts: int = 0
     cancelled: bool = False
 
@@ -39,6 +41,12 @@ class ClientState:
     queue: deque[Job] = field(default_factory=deque)
     queued: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, still in ``queue``
     running: dict[str, tuple[WorkerId, int]] = field(default_factory=dict)  # job_id -> (worker, ticket)
+    since: float = 0.0
+    """When this broker first heard of it (this session)."""
+    finished: set[str] | None = None
+    """Ids of its jobs answered in its first ``client_expiry_s`` here (then None): a client that
+    notices a restart sends its unfinished jobs again, at its first heartbeat reply, and one it
+    sent while the old broker was down may have finished here already."""
 
 
 @dataclass(eq=False)

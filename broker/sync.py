@@ -32,7 +32,7 @@ from zmq_rollout import protocol as p
 
 from .outbox import Outbox
 from .state import WorkerId, WorkerState
-from .stats import BrokerStats
+from .stats import BrokerStats, loss_reason
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class Step:
     waiting: set[WorkerId]
     acks: dict[WorkerId, p.WorkerAck] = field(default_factory=dict)
     evicted: list[p.Evicted] = field(default_factory=list)
+    sent: float = 0.0
+    nbytes: int = 0
+    """Bytes of the bucket the step loads (0 for a step without one)."""
 
 
 @dataclass(eq=False)
@@ -67,6 +70,7 @@ class Round:
     members: dict[WorkerId, int]  # worker identity -> its ranks in a collective (its TP size)
     names: dict[WorkerId, str]
     last_activity: float
+    started: float = 0.0
     step: Step | None = None
     lost: list[p.Evicted] = field(default_factory=list)  # members lost between steps, not yet reported
 
@@ -116,14 +120,17 @@ class SyncCoordinator:
         for identity, w in workers.items():
             members[identity] = max(1, w.info.num_ranks)
             w.accepting = False  # no new jobs until the round ends for it
-        rnd = self.round = Round(next(self._ids), client, members, {i: workers[i].info.name for i in members}, now)
+        names = {i: workers[i].info.name for i in members}
+        rnd = self.round = Round(next(self._ids), client, members, names, now, started=now)
         assert isinstance(msg.op, p.Begin)
         log.info("sync round %d begins: %d workers, pause=%s", rnd.round_id, len(members), msg.op.pause)
         self._send_step(rnd, msg, now)
 
     def _send_step(self, rnd: Round, msg: p.SyncStep, now: float) -> None:
         rnd.last_activity = now
-        rnd.step = Step(msg.op.kind, now + msg.timeout_s, set(rnd.members))
+        bucket = getattr(msg.op, "bucket", None)
+        nbytes = bucket.nbytes if isinstance(bucket, p.Bucket) else 0
+        rnd.step = Step(msg.op.kind, now + msg.timeout_s, set(rnd.members), sent=now, nbytes=nbytes)
         # Ranks are laid out over the members still in the round: trainer 0, then each worker's.
         world, offset = 1 + sum(rnd.members.values()), 1
         for identity, ranks in rnd.members.items():
@@ -153,6 +160,7 @@ class SyncCoordinator:
             return
         name = rnd.names[worker]
         del rnd.members[worker]
+        self.fleet.stats.sync.evictions[loss_reason(reason)] += 1
         if rnd.step is not None and worker in rnd.step.waiting:
             rnd.step.waiting.discard(worker)
             rnd.step.evicted.append(p.Evicted(name, reason))
@@ -166,6 +174,9 @@ class SyncCoordinator:
             return
         rnd.step = None
         rnd.last_activity = now
+        num_ok = sum(1 for a in step.acks.values() if a.ok)
+        num_failed = len(step.acks) - num_ok
+        self.fleet.stats.sync.step_done(step.op, now - step.sent, num_ok, num_failed, step.nbytes)
         workers = self.fleet.workers
         if step.op == "begin":  # a worker that could not pause takes no part in the round
             for identity in [i for i in rnd.members if i in step.acks and not step.acks[i].ok]:
@@ -180,12 +191,15 @@ class SyncCoordinator:
             self.fleet_version = max([self.fleet_version, *versions])
         reply = p.SyncReply(rnd.round_id, step.op, list(step.acks.values()), step.evicted, self.fleet_version)
         self.fleet.outbox.to_client(rnd.client, p.SYNC_REPLY, reply)
-        if step.op in ("commit", "abort"):
-            self._end(rnd, now, f"{step.op} done")
+        if step.op == "commit":
+            self._end(rnd, now, "commit done", "committed" if num_ok and not num_failed else "failed")
+        elif step.op == "abort":
+            self._end(rnd, now, "abort done", "aborted")
 
-    def _end(self, rnd: Round, now: float, why: str) -> None:
+    def _end(self, rnd: Round, now: float, why: str, outcome: str) -> None:
         self.round = None
         self.num_rounds += 1
+        self.fleet.stats.sync.round_done(outcome, now - rnd.started)
         for w in self.fleet.workers.values():  # members, and any worker that joined during the round
             w.accepting = self.is_current(w)
         log.info("sync round %d ended (%s); fleet version %d", rnd.round_id, why, self.fleet_version)
@@ -218,4 +232,4 @@ class SyncCoordinator:
         """Tell every member to abort (resume with the weights it has); no reply (the trainer is gone)."""
         for identity in rnd.members:
             self.fleet.outbox.to_worker(identity, p.CONTROL, p.Control(rnd.round_id, p.Abort()))
-        self._end(rnd, now, f"aborted: {why}")
+        self._end(rnd, now, f"aborted: {why}", "trainer_lost")

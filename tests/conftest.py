@@ -23,6 +23,7 @@ from zmq_rollout import protocol as p
 from zmq_rollout.blocking import RolloutClient
 from zmq_rollout.broker.server import BrokerThread
 from zmq_rollout.config import BrokerConfig
+from zmq_rollout.curve import PeerKeys
 from zmq_rollout.testing import EchoWorkerDouble
 
 TIERS = ("unit", "integration", "gpu")
@@ -78,11 +79,15 @@ class RunningBroker:
     frontend: str
     backend: str
     metrics_port: int
+    curve: PeerKeys | None = None
+    """Keys to ask STATUS with, for a broker that requires CurveZMQ."""
 
     def status(self) -> p.StatusReply:
         """STATUS over a fresh DEALER, as any client asks."""
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.setsockopt(zmq.IDENTITY, f"status-probe-{uuid.uuid4().hex[:8]}".encode())
         try:
             sock.connect(self.frontend)

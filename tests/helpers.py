@@ -22,16 +22,74 @@ def poll_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "
 
 
 def scrape(port: int) -> dict[str, float]:
-    """The samples of the ``/metrics`` endpoint on ``port``, keyed ``name`` or ``name{label=value,...}``."""
+    """The samples of the ``/metrics`` endpoint on ``port`` (``parse_samples``)."""
     import urllib.request
 
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return parse_samples(response.read().decode())
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """The samples of an exposition text, keyed ``name`` or ``name{label=value,...}`` (labels sorted)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+# -- metric naming (docs/metrics.md, "Conventions") ---------------------------------------
+PREFIXES = ("zmq_rollout_", "vllm:")
+NON_BASE_UNITS = {
+    *("ms", "millis", "milliseconds", "us", "micros", "microseconds", "ns", "nanoseconds", "minutes", "hours", "days"),
+    *("kb", "kib", "mb", "mib", "gb", "gib", "kilobytes", "megabytes", "gigabytes", "percent", "pct", "perc"),
+}
+DURATION_WORDS = {"latency", "duration", "time", "wait", "age", "delay", "elapsed", "timeout", "seconds"}
+SIZE_WORDS = {"size", "bytes"}
+HISTOGRAM_UNITS = ("_seconds", "_bytes", "_versions")
+"""A histogram is of a duration, a size, or (dimensionless) weight versions, and says which."""
+ID_LABELS = {"id", "ids", "uuid", "ticket", "tickets", "identity", "job", "request", "key"}
+
+
+def metric_name_problems(text: str) -> list[str]:
+    """What in an exposition text breaks our metric conventions: a name outside ``zmq_rollout_``
+    (and vLLM's ``vllm:``), a counter without ``_total`` (or another type with it), a non-base
+    unit, a duration not in seconds, a size not in bytes, a histogram not in seconds, bytes or
+    versions, a label that names an id (unbounded). vLLM's names are its own: of its families
+    only the labels are checked. ``*_created`` families are prometheus_client's timestamps."""
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    problems = []
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE):
+        if not name.startswith(PREFIXES):
+            problems.append(f"{name}: not named zmq_rollout_* (or vllm:*)")
+        if name.startswith("vllm:") or (name.endswith("_created") and kind == "gauge"):
+            continue
+        if kind == "counter" and not name.endswith("_total"):
+            problems.append(f"{name}: a counter not ending in _total")
+        if kind != "counter" and name.endswith("_total"):
+            problems.append(f"{name}: a {kind} ending in _total (only counters do)")
+        base = name.removesuffix("_total")
+        words = set(base.split("_"))
+        if words & NON_BASE_UNITS:
+            units = ", ".join(sorted(words & NON_BASE_UNITS))
+            problems.append(f"{name}: a non-base unit ({units}; use seconds, bytes, ratios)")
+        if words & DURATION_WORDS and not base.endswith("_seconds"):
+            problems.append(f"{name}: a duration not in seconds (end it in _seconds)")
+        if words & SIZE_WORDS and not base.endswith("_bytes"):
+            problems.append(f"{name}: a size not in bytes (end it in _bytes)")
+        if kind in ("histogram", "summary") and not base.endswith(HISTOGRAM_UNITS):
+            problems.append(f"{name}: a {kind} not in {', '.join(u[1:] for u in HISTOGRAM_UNITS)}")
+    for family in text_string_to_metric_families(text):
+        labels = sorted({label for s in family.samples for label in s.labels} - {"le", "quantile"})
+        problems.extend(
+            f"{family.name}: label {label!r} names an id (unbounded series)"
+            for label in labels
+            if label in ID_LABELS or label.endswith(("_id", "_ids", "_uuid", "_ticket"))
+        )
+    return problems

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.weight_sync.buckets import unpack
 
@@ -38,7 +39,7 @@ def refusal(header: bytes, error: str, weight_version: int) -> p.ControlAck | No
     None if not even the round can be read."""
     try:
         raw = msgspec.msgpack.decode(header)
-    except msgspec.DecodeError:
+    except codec.DECODE_ERRORS:
         return None
     if not (isinstance(raw, list) and raw and type(raw[0]) is int):
         return None

@@ -104,11 +104,16 @@ class Engine:
     def __init__(self, config: WorkerConfig) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from .vllm_metrics import stat_loggers, vllm_registry
+
         self.config = config
+        loggers = stat_loggers() if config.metrics_port is not None else []  # no /metrics: no statistics
         try:
-            self.llm = AsyncLLM.from_engine_args(engine_args(config))
+            self.llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=loggers or None)
         except Exception as exc:
             raise EngineStartError(config, exc) from exc
+        self.vllm_metrics = vllm_registry() if loggers else None
+        """Where vLLM's own metrics are (``workers/vllm_metrics.py``); None: not recorded."""
         vcfg = self.llm.vllm_config
         self.max_model_len: int = vcfg.model_config.max_model_len
         self.vocab_size: int = vcfg.model_config.get_vocab_size()

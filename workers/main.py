@@ -19,6 +19,7 @@ import sys
 import time
 
 from zmq_rollout.config import WorkerConfig
+from zmq_rollout.curve import PeerKeys
 from zmq_rollout.settings import to_argv
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ async def _serve(config: WorkerConfig) -> int:
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Run the worker(s) that ``config`` asks for; returns the process exit code."""
+    """Run the worker(s) that ``config`` asks for; returns the process exit code. Bad key
+    settings raise ConfigError here, before any engine starts."""
+    PeerKeys.from_files(config.curve_server_key, config.curve_secret_key, "WorkerConfig")
     groups = plan_engines(config.gpus, config.tensor_parallel_size)
     if len(groups) == 1:
         if groups[0]:

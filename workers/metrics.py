@@ -1,4 +1,5 @@
-"""A worker's Prometheus metrics (own registry): tokens generated, job latency, failures."""
+"""A worker's Prometheus metrics (own registry): tokens generated, job latency, failures,
+and its engine's ``vllm:`` families (``vllm_metrics.py``). docs/metrics.md lists them."""
 
 from __future__ import annotations
 
@@ -6,12 +7,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from zmq_rollout.metrics import MetricsServer, start_metrics_server
 
+from .vllm_metrics import VllmCollector
+
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, worker: str = "", vllm_source: CollectorRegistry | None = None) -> None:
+        """``vllm_source``: the registry its engine's vLLM metrics are in, served here labelled ``worker``."""
         self.registry = CollectorRegistry()
+        if vllm_source is not None:
+            self.registry.register(VllmCollector(worker, vllm_source))
         self.tokens = Counter(
             "zmq_rollout_worker_generated_tokens", "Tokens generated (all samples).", registry=self.registry
         )

@@ -23,6 +23,8 @@ from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.batching import append
 from zmq_rollout.config import WorkerConfig
+from zmq_rollout.curve import HANDSHAKE_EVENTS, PeerKeys, handshake_failure, monitor_socket
+from zmq_rollout.curve import refusal as curve_refusal
 from zmq_rollout.errors import ProtocolError
 
 from .control import SyncParticipant, refusal
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
+EXIT_INTERNAL = 1
 
 
 class Worker:
@@ -41,9 +44,12 @@ class Worker:
         self.config = config
         self.engine = engine
         self.name = config.name or f"{socket.gethostname()}-{os.getpid()}"
-        self.metrics = metrics or WorkerMetrics()
+        self.metrics = metrics or WorkerMetrics(self.name, engine.vllm_metrics)
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
+        self._curve = PeerKeys.from_files(config.curve_server_key, config.curve_secret_key, "WorkerConfig")
+        self._handshake_task: asyncio.Task[None] | None = None
+        self._refusals_logged: set[str] = set()
         self._decoder = codec.Decoder(codec.TO_WORKER)
         self._tasks: dict[int, asyncio.Task[None]] = {}  # ticket -> job task
         self._outgoing: list[list[Any]] = []  # [command, items] in send order
@@ -59,6 +65,11 @@ class Worker:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.name}-{uuid.uuid4().hex[:6]}".encode())
+        if self._curve is not None:
+            self._curve.apply(sock)
+        if self._handshake_task is not None:
+            self._handshake_task.cancel()
+        self._handshake_task = asyncio.ensure_future(self._handshakes(monitor_socket(sock, HANDSHAKE_EVENTS)))
         sock.connect(self.config.broker)
         self._sock = sock
         self._last_heard = time.monotonic()
@@ -73,6 +84,20 @@ class Worker:
         )
         self._send_now(p.READY, info)
         log.info("worker %s: READY to %s with %d credits", self.name, self.config.broker, info.credits)
+
+    async def _handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        """Log once (per kind) that the broker refuses our CurveZMQ handshake; ZeroMQ retries."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                reason = handshake_failure(parse_monitor_message(await monitor.recv_multipart())["event"])
+                if reason is not None and reason not in self._refusals_logged:
+                    self._refusals_logged.add(reason)
+                    why = curve_refusal(reason, self.config.broker, self._curve is not None)
+                    log.error("worker %s: %s", self.name, why)
+        finally:
+            monitor.close(linger=0)
 
     async def _reconnect(self, reason: str) -> None:
         log.warning("worker %s: reconnecting (%s); aborting %d jobs", self.name, reason, len(self._tasks))
@@ -110,11 +135,14 @@ class Worker:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._connect()
         background = [asyncio.ensure_future(c) for c in (self._receive(), self._heartbeat(), self._watch_engine())]
+        for task in background:
+            task.add_done_callback(self._background_ended)
         try:
             return await self._exit
         finally:
-            for task in background:
-                task.cancel()
+            for ending in [*background, self._handshake_task]:
+                if ending is not None:
+                    ending.cancel()
             await self._abort_all()
             if self._sock is not None:
                 self._send_now(p.DISCONNECT, None)  # the broker requeues at once
@@ -124,6 +152,15 @@ class Worker:
     def stop(self, code: int = EXIT_OK) -> None:
         if self._exit is not None and not self._exit.done():
             self._exit.set_result(code)
+
+    def _background_ended(self, task: asyncio.Task[None]) -> None:
+        """A loop of the worker ended while it runs: a bug. Exit rather than stay half alive
+        (heartbeating but deaf), so that the broker requeues and a supervisor restarts us."""
+        if self._exit is None or self._exit.done():
+            return
+        detail = "cancelled" if task.cancelled() else repr(task.exception())
+        name = getattr(task.get_coro(), "__qualname__", "?")
+        self._fatal(EXIT_INTERNAL, f"internal error: task {name} ended ({detail})")
 
     def _fatal(self, code: int, detail: str) -> None:
         log.error("worker %s: %s; exiting with code %d", self.name, detail, code)
@@ -166,9 +203,14 @@ class Worker:
         while True:
             assert self._sock is not None
             sock = self._sock
-            if not await sock.poll(100):
-                continue
-            frames = await sock.recv_multipart()
+            try:
+                if not await sock.poll(100):
+                    continue
+                frames = await sock.recv_multipart()
+            except (asyncio.CancelledError, zmq.ZMQError):
+                if sock is self._sock:  # this task itself was cancelled, or the socket failed
+                    raise
+                continue  # a reconnect closed the socket under this read: read the new one
             self._last_heard = time.monotonic()
             try:
                 msg = self._decoder.decode(frames)

@@ -6,9 +6,11 @@ The public API is ``__all__`` (pinned by tests/unit/test_client.py, test_public_
 from zmq_rollout.blocking import RolloutClient
 from zmq_rollout.client import AsyncRolloutClient
 from zmq_rollout.errors import (
+    AuthenticationError,
     BrokerUnavailableError,
     BusyError,
     ClientClosedError,
+    ConfigError,
     InvalidRequestError,
     JobCancelledError,
     JobFailedError,
@@ -25,10 +27,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncRolloutClient",
+    "AuthenticationError",
     "BrokerUnavailableError",
     "BusyError",
     "ChatMessage",
     "ClientClosedError",
+    "ConfigError",
     "InvalidRequestError",
     "JobCancelledError",
     "JobFailedError",

@@ -30,7 +30,12 @@ class RolloutClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zmq-rollout-client", daemon=True)
         self._thread.start()
-        self._async = self._call(self._make(address, config, overrides))
+        try:
+            self._async = self._call(self._make(address, config, overrides))
+        except BaseException:  # a bad setting: no loop thread left behind
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            raise
 
     @staticmethod
     async def _make(address: str | None, config: ClientConfig | None, overrides: dict[str, Any]) -> AsyncRolloutClient:

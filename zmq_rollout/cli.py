@@ -72,7 +72,9 @@ def worker(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     _logging(verbose)
-    raise typer.Exit(run_worker(config))
+    with _errors_as_messages(verbose):  # a bad key file, say: one line, before any engine starts
+        code = run_worker(config)
+    raise typer.Exit(code)
 
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -211,6 +213,58 @@ def status(config: ClientConfig, verbose: bool = typer.Option(False, "--verbose"
         f"\nsince start: {t.submitted} submitted, {t.completed} completed, {t.failed} failed, "
         f"{t.cancelled} cancelled, {t.requeued} requeued"
     )
+
+
+@app.command()
+@config_options(ClientConfig, skip=("timeout_s", "batch_size"))
+def top(
+    config: ClientConfig,
+    interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between refreshes (and rate samples)."),
+    metrics_url: str = typer.Option(
+        "", "--metrics-url", help="The broker's /metrics (http://BROKER:9100/metrics): jobs/s, sync rounds."
+    ),
+    worker_metrics: Optional[list[str]] = typer.Option(  # noqa: UP045
+        None, "--worker-metrics", help="A worker's /metrics (repeat it): tokens/s and KV-cache use per engine."
+    ),
+    once: bool = typer.Option(False, "--once", help="Print one table and exit (always so when not a terminal)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks."),
+) -> None:
+    """A live view of workers, client queues, jobs/s and sync rounds; Ctrl-C ends it.
+
+    With metrics URLs the one-shot table reads them twice, --interval apart, for its rates.
+    """
+    from zmq_rollout.top import run_top
+
+    with _errors_as_messages(verbose):
+        run_top(
+            config,
+            interval_s=interval,
+            metrics_url=metrics_url,
+            worker_metrics=worker_metrics or (),
+            once=True if once else None,
+        )
+
+
+keys_app = typer.Typer(no_args_is_help=True, help="CurveZMQ keypairs for the broker, clients and workers.")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("generate")
+def keys_generate(
+    directory: Path = typer.Argument(..., help="Folder to write NAME.key and NAME.key_secret into (created)."),
+    name: str = typer.Option(..., "--name", help="File name of the pair, e.g. broker, trainer, gpu-node-1."),
+) -> None:
+    """Write a CurveZMQ keypair: NAME.key (public: give it to the broker's --allow-keys folder, or, for
+    the broker's own pair, to clients and workers as --curve-server-key) and NAME.key_secret (keep it private)."""
+    from zmq_rollout.curve import generate_keypair
+    from zmq_rollout.errors import ConfigError
+
+    try:
+        public, secret = generate_keypair(directory, name)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {public} (public) and {secret} (secret, owner-only)")
 
 
 @app.command("make-tiny-model")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -27,7 +28,9 @@ import zmq.asyncio
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.config import ClientConfig
+from zmq_rollout.curve import HANDSHAKE_EVENTS, PeerKeys, handshake_failure, monitor_socket, refusal
 from zmq_rollout.errors import (
+    AuthenticationError,
     BrokerUnavailableError,
     ClientClosedError,
     InvalidRequestError,
@@ -69,18 +72,42 @@ class _Pending:
         self.stream = stream
 
 
+class _StepReply(asyncio.Future[p.SyncReply]):
+    """What a sync step awaits: the SYNC_REPLY of its op (and, after ``begin``, its round)."""
+
+    def __init__(self, step: p.SyncStep) -> None:
+        super().__init__()
+        self.round_id, self.op = step.round_id, step.op.kind
+
+    def answered_by(self, reply: p.SyncReply) -> bool:
+        return reply.op == self.op and (self.op == "begin" or reply.round_id == self.round_id)
+
+
 class AsyncRolloutClient(WeightSyncMethods):
     """asyncio client. Create it inside a running event loop (or call ``connect`` there).
 
-    Weight sync (``update_weights``, ``update_lora``) comes from ``WeightSyncMethods``."""
+    Weight sync (``update_weights``, ``update_lora``) comes from ``WeightSyncMethods``.
+    ``curve``: keys for a broker that requires CurveZMQ (or set ``curve_server_key`` and
+    ``curve_secret_key``, files, in the config)."""
 
-    def __init__(self, address: str | None = None, config: ClientConfig | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        config: ClientConfig | None = None,
+        *,
+        curve: PeerKeys | None = None,
+        **overrides: Any,
+    ) -> None:
         self.config = _config(address, config, overrides)
+        self._curve = curve or PeerKeys.from_files(
+            self.config.curve_server_key, self.config.curve_secret_key, "ClientConfig"
+        )
+        self._refused: str | None = None  # why the broker refuses our handshake, while it does
         self._ctx = zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._pending: dict[str, _Pending] = {}
         self._status_waiters: list[asyncio.Future[p.StatusReply]] = []
-        self._sync_waiters: list[asyncio.Future[p.SyncReply]] = []
+        self._sync_waiters: list[asyncio.Future[p.SyncReply]] = []  # each a _StepReply
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}{uuid.uuid4().hex[:6]}-"
         self._tasks: list[asyncio.Task[None]] = []
@@ -100,9 +127,16 @@ class AsyncRolloutClient(WeightSyncMethods):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+            if self._curve is not None:
+                self._curve.apply(sock)
+            monitor = monitor_socket(sock, HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(self.config.address)
             self._sock = sock
-            self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._heartbeat())]
+            self._tasks = [
+                asyncio.ensure_future(self._receive()),
+                asyncio.ensure_future(self._heartbeat()),
+                asyncio.ensure_future(self._handshakes(monitor)),
+            ]
         return self
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -115,13 +149,17 @@ class AsyncRolloutClient(WeightSyncMethods):
     def _new_id(self) -> str:
         return f"{self._prefix}{next(self._ids):x}"
 
-    async def _send(self, command: bytes, body: Any) -> None:
+    async def _send(self, command: bytes, body: Any, flags: int = 0) -> None:
         if self._closed:
             raise ClientClosedError("the client is closed")
         await self.connect()
         assert self._sock is not None
+        if self._refused is not None and command in (p.SUBMIT, p.STATUS, p.SYNC):
+            raise AuthenticationError(self._refused)
         try:
-            await self._sock.send_multipart(codec.encode(command, body), copy=False)
+            await self._sock.send_multipart(codec.encode(command, body), flags, copy=False)
+        except zmq.Again:  # NOBLOCK and no connection to queue it on (a refused handshake)
+            return
         except zmq.ZMQError as exc:  # the socket or its context is gone: the client cannot go on
             raise ClientClosedError(f"the client's connection to {self.config.address} failed: {exc}") from exc
 
@@ -246,8 +284,14 @@ class AsyncRolloutClient(WeightSyncMethods):
 
     # -- weight sync -----------------------------------------------------------------------
     async def sync_step(self, step: p.SyncStep) -> p.SyncReply:
-        """One step of a weight-sync round (``zmq_rollout.weight_sync`` drives them)."""
-        future: asyncio.Future[p.SyncReply] = asyncio.get_running_loop().create_future()
+        """One step of a weight-sync round (``zmq_rollout.weight_sync`` drives them). While the
+        broker is lost it fails at once: no round lives through that (an abort still goes out,
+        for a broker that comes back)."""
+        if self._watch.lost_since is not None:
+            if isinstance(step.op, p.Abort):
+                await self._send(p.SYNC, step)
+            raise SyncError(f"the broker at {self.config.address} is not answering")
+        future = _StepReply(step)
         self._sync_waiters.append(future)
         await self._send(p.SYNC, step)
         limit = step.timeout_s + self.config.request_timeout_s
@@ -264,14 +308,14 @@ class AsyncRolloutClient(WeightSyncMethods):
 
     # -- background ------------------------------------------------------------------------
     async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
-            await self._send(p.HEARTBEAT, None)
+        while True:  # the first at once: the broker's epoch is then known before any restart
+            await self._send(p.HEARTBEAT, None, zmq.NOBLOCK)  # never stuck: liveness is checked below
             state = self._watch.check(time.monotonic())
             if state is BrokerState.LOST:
                 self._broker_lost()
             elif state is BrokerState.GONE:
                 await self._broker_gone()
+            await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _receive(self) -> None:
         assert self._sock is not None
@@ -283,19 +327,46 @@ class AsyncRolloutClient(WeightSyncMethods):
                 msg = self._decoder.decode([f.buffer for f in frames])
             except RolloutError:
                 continue  # a broker of another version; nothing to attribute it to
-            if msg.command == p.HEARTBEAT and self._watch.liveness(msg.body):
-                await self._resubmit()
+            if msg.command == p.HEARTBEAT:
+                await self._liveness(msg.body)
             self._dispatch(msg.command, msg.body)
 
     # -- the broker lost, gone, back -------------------------------------------------------
+    async def _liveness(self, beat: p.Liveness | None) -> None:
+        """A heartbeat reply. From a restarted broker, or one that forgot this client: the sync
+        step in flight fails (its round is gone), and unfinished jobs are sent again."""
+        if self._watch.liveness(beat):
+            self._fail_steps(f"the broker at {self.config.address} restarted (or forgot this client) mid-round")
+            await self._resubmit()
+
     def _broker_lost(self) -> None:
         """No word for the expiry: jobs wait for it (ZeroMQ reconnects by itself), a sync step
         fails now (its round died with the broker, or will be aborted)."""
         log.warning("broker at %s silent for %.1f s; waiting for it", self.config.address, self._watch.expiry_s)
+        self._fail_steps(f"the broker at {self.config.address} stopped answering mid-round")
+
+    def _fail_steps(self, why: str) -> None:
+        """The sync steps in flight will get no answer: their round is gone with the broker."""
         waiters, self._sync_waiters = self._sync_waiters, []
         for waiter in waiters:
             if not waiter.done():
-                waiter.set_exception(SyncError(f"the broker at {self.config.address} stopped answering mid-round"))
+                waiter.set_exception(SyncError(why))
+
+    def _sync_reply(self, reply: p.SyncReply) -> None:
+        waiter = next(
+            (w for w in self._sync_waiters if isinstance(w, _StepReply) and not w.done() and w.answered_by(reply)), None
+        )
+        if waiter is not None:
+            self._sync_waiters.remove(waiter)
+            waiter.set_result(reply)
+        elif reply.op == "begin" and not reply.error:
+            # A round opened by a begin this client gave up on (the broker was lost while it
+            # travelled, and another took it): nobody drives it, and it would hold its workers
+            # paused until round_idle_timeout_s. Abort it.
+            log.warning("aborting sync round %d: its begin came back after the step had failed", reply.round_id)
+            task = asyncio.ensure_future(self._send(p.SYNC, p.SyncStep(reply.round_id, p.Abort())))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a closed client: nothing to abort
+            self._tasks.append(task)
 
     def _unavailable(self) -> BrokerUnavailableError:
         return BrokerUnavailableError(
@@ -306,17 +377,45 @@ class AsyncRolloutClient(WeightSyncMethods):
     async def _broker_gone(self) -> None:
         """Lost for broker_timeout_s: every pending call fails (and its jobs are cancelled, in
         case the broker comes back with them)."""
-        handles, self._pending = self._pending, {}
+        handles = self._fail_pending(self._unavailable)
         if handles:
             with contextlib.suppress(RolloutError):
-                await self._send(p.CANCEL, list(handles))
+                await self._send(p.CANCEL, handles)
+
+    def _fail_pending(self, error: Any) -> list[str]:
+        """Fail every pending job with a fresh ``error()``; returns their ids."""
+        handles, self._pending = self._pending, {}
         for jid, handle in handles.items():
             if handle.stream is not None:
                 handle.stream.put_nowait(None)
             if not handle.future.done():
-                error = self._unavailable()
-                error.job_id = jid
-                handle.future.set_exception(error)
+                exc = error()
+                exc.job_id = jid
+                handle.future.set_exception(exc)
+        return list(handles)
+
+    async def _handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        """The broker refuses our CurveZMQ handshake (a key not allowed, a wrong broker key, or
+        no keys for a broker that needs them): every pending and new call fails with
+        AuthenticationError, until a handshake succeeds."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                reason = handshake_failure(event)
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._refused = None
+                elif reason is not None and self._refused is None:
+                    self._refused = why = refusal(reason, self.config.address, self._curve is not None)
+                    log.error("%s", why)
+                    self._fail_pending(functools.partial(AuthenticationError, why))
+                    waiters: list[asyncio.Future[Any]] = [*self._sync_waiters, *self._status_waiters]
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_exception(AuthenticationError(why))
+        finally:
+            monitor.close(linger=0)
 
     async def _resubmit(self) -> None:
         """The broker restarted (or forgot us): send every unfinished job again, same ids."""
@@ -365,10 +464,8 @@ class AsyncRolloutClient(WeightSyncMethods):
                         handle.stream.put_nowait(None)
                     if not handle.future.done():
                         handle.future.set_exception(error_from_code(item.code, item.message, key))
-        elif command == p.SYNC_REPLY and self._sync_waiters:
-            sync_waiter = self._sync_waiters.pop(0)
-            if not sync_waiter.done():
-                sync_waiter.set_result(body)
+        elif command == p.SYNC_REPLY:
+            self._sync_reply(body)
         elif command == p.STATUS_REPLY and self._status_waiters:
             waiter = self._status_waiters.pop(0)
             if not waiter.done():
@@ -379,7 +476,7 @@ class AsyncRolloutClient(WeightSyncMethods):
             return
         if self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
-                await self._sock.send_multipart(codec.encode(p.DISCONNECT, None))
+                await self._sock.send_multipart(codec.encode(p.DISCONNECT, None), zmq.NOBLOCK)
         self._closed = True
         for task in self._tasks:
             task.cancel()

@@ -21,6 +21,10 @@ from zmq_rollout.errors import ProtocolError
 
 _encoder = msgspec.msgpack.Encoder()
 
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+"""What decoding untrusted msgpack raises. msgspec raises ``RecursionError`` for nesting deeper
+than Python's recursion limit: a header of a thousand ``0x91`` bytes (array of one) does it."""
+
 # The body type of each command, per direction. Commands shared by two directions with a
 # different body (CANCEL: job ids from clients, tickets to workers) are listed per table.
 FROM_CLIENT: dict[bytes, Any] = {
@@ -86,7 +90,7 @@ class Decoder:
         decoder = self._decoders.get(command)
         try:
             body = decoder.decode(header) if decoder is not None else None
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_ERRORS as exc:
             name = p.COMMAND_NAMES.get(command, "?")
             raise ProtocolError(f"invalid {name} message: {exc}") from None
         return Message(command, body, frames[3:])

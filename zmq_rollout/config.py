@@ -39,6 +39,11 @@ class BrokerConfig:
     """Port of the Prometheus /metrics endpoint (none: no endpoint; 0: any free port)."""
     metrics_host: str = "127.0.0.1"
     """Interface of the /metrics endpoint (0.0.0.0 opens it to every network; the deploy files do)."""
+    curve_secret_key: str = ""
+    """The broker's keypair file (NAME.key_secret, from zmq-rollout keys generate); with allow_keys, both
+    ports accept only CurveZMQ peers (encrypted, authenticated). Empty: plaintext, open to anyone who connects."""
+    allow_keys: str = ""
+    """A folder of the public key files (*.key) of the clients and workers let in; read again when it changes."""
 
     @property
     def worker_expiry_s(self) -> float:
@@ -65,6 +70,10 @@ class ClientConfig:
     """Bytes per SUBMIT message at most: the broker's max_message_bytes (keep them equal or this smaller)."""
     name: str = ""
     """A label for this client in the broker's status and metrics (default: client)."""
+    curve_server_key: str = ""
+    """The broker's public key file (BROKER.key), for a broker that requires CurveZMQ (with curve_secret_key)."""
+    curve_secret_key: str = ""
+    """This client's keypair file (NAME.key_secret, from zmq-rollout keys generate; its .key on the broker's list)."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "request_timeout_s", "heartbeat_interval_s", "broker_timeout_s"):
@@ -121,6 +130,10 @@ class WorkerConfig:
     """Largest adapter rank (vLLM accepts 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
     max_loras: int = 1
     """Adapters one batch may mix; each pushed adapter stays loaded (max_cpu_loras is 4 times this)."""
+    curve_server_key: str = ""
+    """The broker's public key file (BROKER.key), for a broker that requires CurveZMQ (with curve_secret_key)."""
+    curve_secret_key: str = ""
+    """This worker's keypair file (NAME.key_secret, from zmq-rollout keys generate; its .key on the broker's list)."""
 
     @property
     def broker_expiry_s(self) -> float:

@@ -11,6 +11,8 @@
     ├── RolloutTimeoutError      nothing came back in time (the message names the setting)
     ├── SyncError                a weight-sync round or one of its steps failed
     ├── BrokerUnavailableError   the broker has not answered for ClientConfig.broker_timeout_s
+    ├── AuthenticationError      the broker refused this peer's CurveZMQ handshake (key not allowed, wrong key)
+    ├── ConfigError              a setting is wrong (a missing or unreadable key file, keys half set)
     └── ClientClosedError        the client was closed (or its socket failed) while the call was pending
 
 Errors that cross the wire carry a ``code`` (a short string, see ``ErrorCode``); the
@@ -68,6 +70,14 @@ class BrokerUnavailableError(RolloutError):
     code = "broker_unavailable"
 
 
+class AuthenticationError(RolloutError):
+    code = "auth"
+
+
+class ConfigError(RolloutError, ValueError):
+    code = "config"
+
+
 _BY_CODE: dict[str, type[RolloutError]] = {
     cls.code: cls
     for cls in (
@@ -80,6 +90,8 @@ _BY_CODE: dict[str, type[RolloutError]] = {
         ClientClosedError,
         SyncError,
         BrokerUnavailableError,
+        AuthenticationError,
+        ConfigError,
     )
 }
 

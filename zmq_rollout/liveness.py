@@ -1,8 +1,8 @@
 """What a client knows of its broker: is it there, is it the same one (pure; times passed in).
 
-The client heartbeats every ``heartbeat_interval_s`` and the broker answers each with its
-``Liveness`` (an epoch, new at every broker start). Any message counts as a sign of life.
-No word for ``heartbeat_interval_s x broker_liveness``: the broker is *lost* (a sync step in
+The client heartbeats as it connects and every ``heartbeat_interval_s`` after, and the broker
+answers each with its ``Liveness`` (an epoch, new at every broker start). Any message counts
+as a sign of life. No word for ``heartbeat_interval_s x broker_liveness``: the broker is *lost* (a sync step in
 progress fails now; jobs wait). Lost for ``broker_timeout_s``: it is *gone* (pending calls
 fail with ``BrokerUnavailableError``). A heartbeat reply from another epoch, or one saying
 the broker did not know this client, means whatever was in flight is not there any more:
@@ -40,12 +40,13 @@ class BrokerWatch:
         return back
 
     def liveness(self, beat: p.Liveness | None) -> bool:
-        """A heartbeat reply; True if what this client had in flight must be sent again."""
+        """A heartbeat reply; True if what this client had in flight must be sent again. The
+        first reply only tells the epoch: it comes a round trip after the client connected (the
+        first heartbeat leaves at once), and a broker that did not know the client yet is no news."""
         if beat is None:  # a broker from before epochs: only silence tells
             return False
-        restarted = self.epoch is not None and beat.epoch != self.epoch
-        self.epoch = beat.epoch
-        return restarted or beat.new_session
+        known, self.epoch = self.epoch, beat.epoch
+        return known is not None and (beat.epoch != known or beat.new_session)
 
     def check(self, now: float) -> BrokerState:
         """Called every heartbeat: LOST and GONE are reported once each, when they happen."""

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from typing import IO, TYPE_CHECKING, Any
@@ -39,6 +40,26 @@ LOCAL_WORKER_DEFAULTS: dict[str, Any] = {
     "max_num_seqs": 64,
     "attention_backend": os.environ.get("ZMQ_ROLLOUT_ATTENTION_BACKEND") or None,
 }
+
+
+def wait_until_free(addresses: list[str], timeout_s: float) -> None:
+    """Until each ``tcp://host:port`` can be bound again. ZeroMQ closes a socket's listener on
+    its I/O thread, a moment after ``close()`` returns; binding at once may find it in use."""
+    deadline = time.monotonic() + timeout_s
+    for address in addresses:
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        host = "0.0.0.0" if host == "*" else host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        while True:
+            with socket.socket(family) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+                try:
+                    probe.bind((host, int(port)))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+            time.sleep(0.01)
 
 
 class LocalCluster:
@@ -96,13 +117,17 @@ class LocalCluster:
         assert self.broker is not None, "start() first"
         frontend, backend = self._endpoints
         self.broker.close()
+        wait_until_free([frontend, backend], 10.0)
         self._start_broker(dataclasses.replace(self.broker_config, frontend=frontend, backend=backend))
 
-    def start_worker(self, name: str) -> subprocess.Popen[bytes]:
+    def start_worker(self, name: str, **overrides: Any) -> subprocess.Popen[bytes]:
+        """Start worker ``name`` (``WorkerConfig`` fields in ``overrides`` beside the cluster's,
+        e.g. its own ``metrics_port``, or ``gpus="0,1"`` for one process of two engines)."""
         from zmq_rollout.workers.main import worker_command
 
         assert self.broker is not None, "start() first"
-        config = WorkerConfig(broker=self._endpoints[1], model=self.model, name=name, **self.worker_overrides)
+        settings = {**self.worker_overrides, **overrides}
+        config = WorkerConfig(broker=self._endpoints[1], model=self.model, name=name, **settings)
         out: Any = subprocess.DEVNULL
         if self.log_dir:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed in stop()

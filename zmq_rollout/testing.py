@@ -2,11 +2,14 @@
 
 ``EchoWorkerDouble`` speaks the worker side of the protocol and answers every job at once
 with a fake completion. It exists to measure and test the *broker* (throughput, requeue,
-cancel) without an engine's cost hiding the broker's.
+cancel) without an engine's cost hiding the broker's. It also acknowledges every step of a
+weight-sync round at once (moving no bytes), so that rounds can run against doubles
+(``benchmarks/chaos.py`` syncs between its kills).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -16,6 +19,7 @@ import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.curve import PeerKeys
 
 
 def echo_result(assignment: p.Assignment, name: str, weight_version: int) -> p.Result:
@@ -28,11 +32,19 @@ def echo_result(assignment: p.Assignment, name: str, weight_version: int) -> p.R
     return p.Result(assignment.ticket, prompt_ids, samples, weight_version, name)
 
 
+def _send_if_connected(sock: zmq.Socket[Any], command: bytes) -> None:
+    """Never block: a DEALER whose handshake was refused has no connection to queue on."""
+    with contextlib.suppress(zmq.Again):
+        sock.send_multipart(codec.encode(command), zmq.NOBLOCK)
+
+
 class EchoWorkerDouble:
     """A worker double. ``run()`` serves until ``stop()``; ``die()`` stops without a goodbye,
     like a SIGKILLed process (the broker must notice by heartbeat expiry).
 
     ``hold=True`` keeps jobs without answering them until ``release()``, to test requeue.
+    CONTROL (a weight-sync step) is acknowledged at once with ``ok`` (see ``sync_ack``);
+    ``commit`` sets ``weight_version``, which the next READY announces.
     """
 
     def __init__(
@@ -44,8 +56,10 @@ class EchoWorkerDouble:
         heartbeat: float = 0.2,
         hold: bool = False,
         weight_version: int = 0,
+        curve: PeerKeys | None = None,
     ) -> None:
         self.address = address
+        self.curve = curve
         self.name = name or f"echo-double-{uuid.uuid4().hex[:6]}"
         self.credits = credits
         self.heartbeat = heartbeat
@@ -88,10 +102,10 @@ class EchoWorkerDouble:
                             break
                         sock = self._handle(ctx, sock, decoder.decode(frames))
                 if time.monotonic() >= next_beat:
-                    sock.send_multipart(codec.encode(p.HEARTBEAT))
+                    _send_if_connected(sock, p.HEARTBEAT)
                     next_beat = time.monotonic() + self.heartbeat
             if not self._silent:
-                sock.send_multipart(codec.encode(p.DISCONNECT))
+                _send_if_connected(sock, p.DISCONNECT)
         finally:
             sock.close(linger=0)
 
@@ -99,6 +113,8 @@ class EchoWorkerDouble:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.name}-{uuid.uuid4().hex[:6]}".encode())
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.address)
         info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, ["echo"])
         sock.send_multipart(codec.encode(p.READY, info))
@@ -115,11 +131,26 @@ class EchoWorkerDouble:
         elif msg.command == p.CANCEL:
             self.cancelled.extend(msg.body)
             self.held = [a for a in self.held if a.ticket not in msg.body]
+        elif msg.command == p.CONTROL:
+            sock.send_multipart(codec.encode(p.CONTROL_ACK, self.sync_ack(msg.body)))
         elif msg.command == p.DISCONNECT:
             self.disconnects += 1
             sock.close(linger=0)
             return self._connect(ctx)
         return sock
+
+    def sync_ack(self, control: p.Control) -> p.ControlAck:
+        """A sync step, done at once and touching no bytes: ``begin`` brings one rank,
+        ``check_names`` finds no mismatch, ``commit`` takes its version; the rest succeed."""
+        op = control.op
+        result: p.AckResult = None
+        if isinstance(op, p.Begin):
+            result = 1
+        elif isinstance(op, p.CheckNames):
+            result = p.NameCheck([], [])
+        elif isinstance(op, p.Commit):
+            self.weight_version = result = op.version
+        return p.ControlAck(control.round_id, op.kind, True, self.weight_version, "", result)
 
     def release(self) -> None:
         """Stop holding (new jobs are answered; held ones stay unanswered)."""

@@ -18,6 +18,7 @@ import zmq
 
 from zmq_rollout import AsyncRolloutClient, BrokerUnavailableError, Rollout, StreamRestarted, SyncError, codec
 from zmq_rollout import protocol as p
+from zmq_rollout.liveness import BrokerWatch
 
 FAST = {"heartbeat_interval_s": 0.1, "broker_liveness": 3}  # lost after 0.3 s of silence
 
@@ -137,3 +138,77 @@ def test_a_broker_lost_mid_round_fails_the_sync_step_promptly(
     thread.join(30)
     assert not thread.is_alive() and time.monotonic() - started < 5
     assert len(errors) == 1 and isinstance(errors[0], SyncError) and "stopped answering" in str(errors[0])
+
+
+def test_a_broker_restarted_mid_round_fails_the_sync_step_at_once(
+    start_broker: Any, start_client: Any, raw_socket: Any, wait_until: Any
+) -> None:
+    """The broker dies while a step waits on a mute worker and a new one takes its addresses
+    before the client counts it lost: the round died with the old broker, so update_weights
+    raises SyncError at the new broker's first heartbeat reply, not at the step's timeout."""
+    front, back = free_address(), free_address()
+    first = start_broker(frontend=front, backend=back)
+    worker = raw_socket(zmq.DEALER)
+    worker.connect(back)
+    worker.send_multipart(codec.encode(p.READY, p.WorkerInfo("mute", "m", 4)))
+    wait_until(lambda: first.has_worker("mute"), what="the mute worker to register")
+    client = start_client(front, heartbeat_interval_s=0.1, broker_liveness=50, request_timeout_s=2)  # lost after 5 s
+    errors: list[BaseException] = []
+
+    def push() -> None:
+        try:
+            client.update_weights([("w", torch.zeros(4))], timeout_s=20)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=push)
+    thread.start()
+    assert worker.poll(5000), "the broker never sent begin"
+    first.thread.close()
+    started = time.monotonic()
+    start_broker(frontend=front, backend=back)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
+    assert "restarted" in str(errors[0]) and time.monotonic() - started < 3  # not the 22 s of the step
+
+
+def test_a_begin_that_outlived_its_step_is_aborted_and_the_next_round_runs(
+    start_broker: Any, start_double: Any, start_client: Any, wait_until: Any
+) -> None:
+    """update_weights is called while the broker is down: its begin waits in the client's
+    socket, the step fails when the broker counts as lost, and the begin reaches the next
+    broker on those addresses. The round it opens has no driver: the client aborts it when
+    its reply comes, so the next update_weights is not refused for round_idle_timeout_s."""
+    front, back = free_address(), free_address()
+    first = start_broker(frontend=front, backend=back)
+    client = start_client(front, heartbeat_interval_s=0.1, broker_liveness=20)  # lost after 2 s
+    client.update_weights([("w", torch.zeros(4))], timeout_s=5)  # warm: the next begin leaves at once
+    first.thread.close()
+    with pytest.raises(SyncError, match="stopped answering"):
+        client.update_weights([("w", torch.zeros(4))], timeout_s=5)
+    second = start_broker(frontend=front, backend=back, round_idle_timeout_s=300)
+    double = start_double(second)
+    client.status()  # the client hears the broker again
+
+    def next_round_runs() -> bool:
+        try:
+            report = client.update_weights([("w", torch.zeros(4))], timeout_s=5)
+        except SyncError as exc:
+            assert "still running" in str(exc), exc  # only the orphan round may stand in the way
+            return False
+        return double.name in report.workers_updated
+
+    wait_until(next_round_runs, 5, "a round after the orphaned begin")
+    assert all(w.state == "ready" and w.weight_version > 0 for w in second.status().workers)
+
+
+def test_the_first_heartbeat_reply_only_tells_the_epoch() -> None:
+    """The client heartbeats as it connects: a broker that did not know it yet is no news; one
+    that forgot it later, or a new epoch, means what it had in flight must go again."""
+    watch = BrokerWatch(1.0, 30.0, 0.0)
+    assert not watch.liveness(p.Liveness("a", new_session=True))
+    assert not watch.liveness(p.Liveness("a"))
+    assert watch.liveness(p.Liveness("a", new_session=True))  # it expired this client meanwhile
+    assert watch.liveness(p.Liveness("b", new_session=True))  # restarted
+    assert not watch.liveness(p.Liveness("b")) and not watch.liveness(None)

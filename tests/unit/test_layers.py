@@ -2,12 +2,13 @@
 
 From the bottom (docs/architecture.md draws the same picture)::
 
-    tools       zmq_rollout.cli, .demo, .local           (import the services lazily, in functions)
+    tools       zmq_rollout.cli, .demo, .local, .top     (import the services lazily, in functions)
     services    zmq_rollout.broker.*  |  zmq_rollout.workers.*     (never each other)
     client      zmq_rollout.client, .blocking, .rollouts, .sync_methods, .submissions, .liveness,
-                .testing, and the package's __init__
+                .testing, .fuzzing, .fuzz_peers, and the package's __init__
     data plane  zmq_rollout.weight_sync.*
-    base        zmq_rollout.protocol.*, .codec, .errors, .config, .settings, .batching, .metrics, .tiny_model
+    base        zmq_rollout.protocol.*, .codec, .errors, .config, .settings, .batching, .metrics, .tiny_model,
+                .curve, .scrape
 
 Every import counts: at module level, inside functions, and under ``TYPE_CHECKING``.
 """
@@ -27,12 +28,14 @@ PACKAGE_DIRS = {"zmq_rollout": ROOT / "zmq_rollout", "zmq_rollout.broker": ROOT 
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("zmq_rollout.protocol", "zmq_rollout.codec", "zmq_rollout.errors", "zmq_rollout.config",
-              "zmq_rollout.settings", "zmq_rollout.batching", "zmq_rollout.metrics", "zmq_rollout.tiny_model")),
+              "zmq_rollout.settings", "zmq_rollout.batching", "zmq_rollout.metrics", "zmq_rollout.tiny_model",
+              "zmq_rollout.curve", "zmq_rollout.scrape")),
     ("data plane", ("zmq_rollout.weight_sync",)),
     ("client", ("zmq_rollout.client", "zmq_rollout.blocking", "zmq_rollout.rollouts", "zmq_rollout.testing",
-                "zmq_rollout.sync_methods", "zmq_rollout.submissions", "zmq_rollout.liveness", "zmq_rollout")),
+                "zmq_rollout.fuzzing", "zmq_rollout.fuzz_peers", "zmq_rollout.sync_methods",
+                "zmq_rollout.submissions", "zmq_rollout.liveness", "zmq_rollout")),
     ("services", ("zmq_rollout.broker", "zmq_rollout.workers")),
-    ("tools", ("zmq_rollout.cli", "zmq_rollout.demo", "zmq_rollout.local")),
+    ("tools", ("zmq_rollout.cli", "zmq_rollout.demo", "zmq_rollout.local", "zmq_rollout.top")),
 ]  # fmt: skip
 SERVICES = ("zmq_rollout.broker", "zmq_rollout.workers")
 
@@ -162,7 +165,9 @@ def test_no_import_cycles() -> None:
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("module", ["zmq_rollout", "zmq_rollout.cli", "zmq_rollout.local", "zmq_rollout.demo"])
+@pytest.mark.parametrize(
+    "module", ["zmq_rollout", "zmq_rollout.cli", "zmq_rollout.local", "zmq_rollout.demo", "zmq_rollout.top"]
+)
 def test_importing_the_library_and_tools_loads_no_service_torch_or_vllm(module: str) -> None:
     code = (
         f"import sys, {module}; "

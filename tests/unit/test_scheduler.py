@@ -573,3 +573,23 @@ def test_a_resubmitted_job_already_here_is_acknowledged_once_a_plain_duplicate_r
     s.submit(A, [p.JobSpec("a0", prompt="x")], now=2.0)
     (err,) = body(s.outbox.take(), CLIENT, A, p.ERROR)
     assert err.code == "invalid_request" and "already in flight" in err.message
+
+
+def test_a_resubmitted_job_this_broker_already_answered_is_not_run_again() -> None:
+    """Sent while the old broker was down, a job reaches the new one as a plain submission and
+    finishes before the client, seeing the new epoch, sends it again: acknowledged, not run
+    twice. The memory lasts the client's first client_expiry_s (resubmissions come at once)."""
+    s = make(client_expiry_s=10.0)
+    ready(s, W1, 4)
+    s.submit(A, [job("a0")], now=0.0)
+    finish(s, W1, assigned(s.outbox.take(), W1), now=0.5)
+    assert body(s.outbox.take(), CLIENT, A, p.FINAL) is not None
+    s.submit(A, [job("a0", resubmitted=True), job("a1", resubmitted=True)], now=1.0)
+    sent = s.outbox.take()
+    assert body(sent, CLIENT, A, p.ACCEPTED) == ["a0", "a1"]
+    assert assigned_ids(sent, W1) == ["a1"] and s.stats.submitted == 2
+    finish(s, W1, assigned(sent, W1), now=1.5)
+    s.worker_seen(W1, 10.0)
+    s.tick(10.5)  # the session is older than client_expiry_s: nothing is remembered any more
+    s.submit(A, [job("a1", resubmitted=True)], now=10.6)
+    assert assigned_ids(s.outbox.take(), W1) == ["a1"]
