@@ -11,11 +11,12 @@ from a fork server; ``vllm``: ``zmq-rollout worker`` around a real CPU engine on
 model); the clients (the product's ``AsyncRolloutClient``, ``window`` jobs in flight each).
 The script itself is the trainer: ``update_weights`` (shm, a random pause mode) every
 ``--sync-every-s``. A seeded timeline of faults runs meanwhile: SIGKILL a worker (a new one
-starts at once; vllm: one that has served ``--min-serve-s``); SIGSTOP a worker and SIGCONT
-it 0.2 to 2 heartbeat expiries later; SIGKILL a client (its jobs are not counted; a new
-client takes its place); SIGKILL the broker, down for up to ``--max-outage-s``, then started
-again on the same ports (every other time while ``update_weights`` runs). Any worker that
-exits by itself (exit 4 after a round that died mid-load, ...) is counted and started again.
+starts at once; vllm: one that has served ``--min-serve-s``); SIGSTOP a worker and SIGCONT it
+0.2 to 2 heartbeat expiries later; SIGKILL a client (its jobs are not counted; a new client
+takes its place; never client 0, which so sees every broker restart and the warm-up);
+SIGKILL the broker, down for up to ``--max-outage-s``, then started again on the same ports
+(every other time while ``update_weights`` runs). Any worker that exits by itself (exit 4
+after a round that died mid-load, ...) is counted and started again.
 
 A broker restart is measured alone: stopped workers are continued and one worker at least
 serves before the kill, and no other fault or sync comes in the ``2 x expiry + 1 s`` after
@@ -62,7 +63,7 @@ MODES: dict[str, dict[str, Any]] = {
     "echo": {
         "duration_s": 300.0, "num_workers": 12, "worker_kills": 1000, "stops": 100, "broker_restarts": 20,
         "client_kills": 4, "clients": 3, "window": 64, "sync_every_s": 2.0, "max_tokens": 4,
-        "broker_heartbeat_s": 0.2, "liveness": 5, "warmup_s": 5.0, "max_outage_s": 1.0, "drain_s": 60.0,
+        "broker_heartbeat_s": 0.2, "liveness": 10, "warmup_s": 5.0, "max_outage_s": 1.0, "drain_s": 60.0,
         "sync_timeout_s": 5.0, "start_timeout_s": 60.0, "min_serve_s": 0.0,
     },
     "vllm": {
@@ -166,8 +167,8 @@ def fault(
         expiry = args.broker_heartbeat_s * args.liveness
         fleet.stop(rng.choice(candidates), now + expiry * rng.uniform(0.2, 2.0))
         counts.stops += 1
-    elif kind == "kill_client":
-        clients.kill(rng.choice(sorted(clients.live)))
+    elif kind == "kill_client":  # never client 0: every restart and the warm-up keep a witness
+        clients.kill(rng.choice(sorted(clients.live)[1:] or sorted(clients.live)))
         counts.client_kills += 1
     return True
 
