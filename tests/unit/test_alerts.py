@@ -2,12 +2,14 @@
 quiet as its unit test in alerts_test.yml says, under Prometheus' own ``promtool``.
 
 ``promtool`` comes with Debian's ``prometheus`` package, which scripts/test.sh installs
-before the suite runs in CI; only the edit loop (``--fast``) may lack it, and then these
-tests skip, saying so.
+before the suite runs in CI. Without it these tests FAIL, saying how to install it, so that
+they cannot rot as skips; ``ZMQ_ROLLOUT_NO_PROMETHEUS=1`` skips them deliberately (the rule
+of tests/integration/test_prometheus_scrape.py).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,12 +21,27 @@ import yaml
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = PROMETHEUS / "alerts.yml"
 RULE_TESTS = PROMETHEUS / "alerts_test.yml"
+SKIP_ENV = "ZMQ_ROLLOUT_NO_PROMETHEUS"
+
+
+def promtool_binary() -> str:
+    """``promtool``; fails the test (or skips it, if ``ZMQ_ROLLOUT_NO_PROMETHEUS=1``) without one."""
+    path = shutil.which("promtool")
+    if path is None and os.access("/usr/bin/promtool", os.X_OK):
+        path = "/usr/bin/promtool"  # not on PATH (a minimal PATH in CI)
+    if path is not None:
+        return path
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{SKIP_ENV}=1: no promtool on this machine")
+    pytest.fail(
+        "promtool is missing (no `promtool` on PATH, no /usr/bin/promtool). Install it with "
+        "`apt-get install -y prometheus` (scripts/test.sh does), or set ZMQ_ROLLOUT_NO_PROMETHEUS=1 to skip "
+        "these tests deliberately."
+    )
 
 
 def promtool(*args: str, cwd: Path = PROMETHEUS) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("promtool") or ("/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None)
-    if binary is None:
-        pytest.skip("promtool is not installed (apt-get install prometheus; scripts/test.sh does it in CI)")
+    binary = promtool_binary()
     return subprocess.run([binary, *args], check=False, capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
@@ -69,3 +86,15 @@ def test_a_broken_rule_fails_its_unit_test(tmp_path: Path) -> None:
     done = promtool("test", "rules", RULE_TESTS.name, cwd=tmp_path)
     assert done.returncode != 0
     assert "ZmqRolloutWorkerFlapping" in done.stdout + done.stderr
+
+
+def test_a_missing_promtool_fails_unless_skipped_deliberately(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No promtool: a failure naming the fix; with ZMQ_ROLLOUT_NO_PROMETHEUS=1, a skip."""
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
+    monkeypatch.setattr(os, "access", lambda _path, _mode: False)
+    monkeypatch.delenv(SKIP_ENV, raising=False)
+    with pytest.raises(pytest.fail.Exception, match="apt-get install -y prometheus"):
+        promtool_binary()
+    monkeypatch.setenv(SKIP_ENV, "1")
+    with pytest.raises(pytest.skip.Exception, match=SKIP_ENV):
+        promtool_binary()
