@@ -1,7 +1,9 @@
 """zmq-rollout's Grafana dashboards, as code: Fleet, Latency, Weight sync, Engines.
 
 Built with Grafana's own builders (``grafana_foundation_sdk``, pinned in the dev extra) and
-written as standard Grafana dashboard JSON, plus the Kubernetes ConfigMaps that carry them:
+written as standard Grafana dashboard JSON, plus the Kubernetes ConfigMaps that carry them.
+The dashboards are defined in ``boards/`` (a module each, in the vocabulary of
+``boards/panels.py``); this script writes them out:
 
     python deploy/grafana/dashboards.py           # write every generated file
     python deploy/grafana/dashboards.py --check   # exit 1, naming each stale file
