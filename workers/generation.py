@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from zmq_rollout import protocol as p
 
 from .sampling import sampled_logprobs, vllm_sampling
@@ -41,10 +43,13 @@ class _Acc:
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     unsplit: bool = False
+    text: list[str] = field(default_factory=list)  # vLLM's text, piece by piece
 
     def sample(self) -> p.Sample:
         spans = self.versions if len(set(self.versions)) > 1 and not self.unsplit else None
-        return p.Sample(self.index, self.token_ids, self.logprobs, self.finish_reason, self.top, spans)
+        return p.Sample(
+            self.index, self.token_ids, self.logprobs, self.finish_reason, self.top, spans, "".join(self.text)
+        )
 
 
 def continuation(job: p.JobSpec, acc: _Acc, prompt_ids: list[int]) -> tuple[list[int], p.SamplingParams] | None:
@@ -54,7 +59,7 @@ def continuation(job: p.JobSpec, acc: _Acc, prompt_ids: list[int]) -> tuple[list
     if left <= 0:
         return None
     seed = None if s.seed is None else (s.seed * 1_000_003 + acc.index * 7919 + len(acc.token_ids)) & _MASK63
-    params = p.SamplingParams(1, s.temperature, s.top_p, s.top_k, left, list(s.stop), seed, s.logprobs, s.ignore_eos)
+    params = msgspec.structs.replace(s, n=1, max_tokens=left, seed=seed)
     return prompt_ids + acc.token_ids, params
 
 
@@ -82,9 +87,10 @@ async def run_job(engine: Engine, request_id: str, job: p.JobSpec) -> AsyncItera
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                index, tokens, chosen, tops, finish, version = item
+                index, tokens, chosen, tops, finish, version, text = item
                 acc = accs[index]
                 acc.token_ids.extend(tokens)
+                acc.text.append(text)
                 acc.logprobs.extend(chosen)
                 if version < 0:  # a keep-mode switch inside an unstreamed request: no split known
                     acc.unsplit = True
@@ -126,7 +132,8 @@ async def _drive(
     lora: str | None = None,
 ) -> None:
     """Feed one vLLM request's outputs into ``queue`` as (index, tokens, logprobs, top, finish,
-    version); version -1 marks tokens whose version split is unknown (see the module doc)."""
+    version, text); version -1 marks tokens whose version split is unknown (see the module doc).
+    Both output kinds give what is new: DELTA the step's tokens and text, FINAL_ONLY all of them."""
     started = engine.weight_version
     try:
         sampling = vllm_sampling(params, stream=stream)
@@ -137,7 +144,8 @@ async def _drive(
                 tokens = list(comp.token_ids)
                 chosen, tops = sampled_logprobs(tokens, comp.logprobs, params.logprobs)
                 finish = None if comp.finish_reason is None else str(comp.finish_reason)
-                queue.put_nowait((comp.index if index is None else index, tokens, chosen, tops, finish, version))
+                item = (comp.index if index is None else index, tokens, chosen, tops, finish, version, comp.text)
+                queue.put_nowait(item)
     except asyncio.CancelledError:
         raise
     except BaseException as exc:

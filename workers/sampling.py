@@ -21,6 +21,8 @@ def vllm_sampling(s: p.SamplingParams, *, stream: bool) -> Any:
         seed=s.seed,
         logprobs=s.logprobs,  # 0: the sampled token's logprob only
         ignore_eos=s.ignore_eos,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        skip_special_tokens=s.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 

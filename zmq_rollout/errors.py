@@ -13,6 +13,8 @@
     ├── BrokerUnavailableError   the broker has not answered for ClientConfig.broker_timeout_s
     ├── AuthenticationError      the broker refused this peer's CurveZMQ handshake (key not allowed, wrong key)
     ├── ConfigError              a setting is wrong (a missing or unreadable key file, keys half set)
+    │   └── ChatTemplateError    a chat template cannot be split into turns (docs/multi_turn.md)
+    ├── EnvironmentFailedError   an episode's environment raised, hung past its timeout, or died
     └── ClientClosedError        the client was closed (or its socket failed) while the call was pending
 
 Errors that cross the wire carry a ``code`` (a short string, see ``ErrorCode``); the
@@ -99,3 +101,13 @@ _BY_CODE: dict[str, type[RolloutError]] = {
 def error_from_code(code: str, message: str, job_id: str | None = None) -> RolloutError:
     """Build the error class that a wire ``code`` stands for (unknown codes → RolloutError)."""
     return _BY_CODE.get(code, RolloutError)(message, job_id=job_id)
+
+
+class ChatTemplateError(ConfigError):
+    """The tokenizer's chat template cannot be rendered turn by turn (see docs/multi_turn.md)."""
+
+
+class EnvironmentFailedError(RolloutError):
+    """An environment raised, hung past ``step_timeout_s``, or its process died."""
+
+    code = "environment"

@@ -30,6 +30,7 @@ class Rollout:
     worker_id: str
     top_logprobs: list[dict[int, float]] | None = None
     weight_versions: list[int] | None = None  # per token, only if the sample spans a weight sync
+    text: str = ""  # the completion as vLLM detokenized it, for reward functions; token_ids rule
 
 
 @dataclass
@@ -90,6 +91,7 @@ def to_rollouts(result: p.Result, prompt_index: int = 0) -> list[Rollout]:
             result.worker_id,
             s.top_logprobs,
             s.weight_versions,
+            s.text or "",
         )
         for s in sorted(result.samples, key=lambda s: s.index)
     ]

@@ -23,6 +23,17 @@ def test_wheel_has_no_top_level_broker_or_workers(tmp_path: Path) -> None:
     assert "zmq_rollout/broker/scheduler.py" in names
     assert "zmq_rollout/workers/worker.py" in names
     assert "zmq_rollout/client.py" in names
+    # every module of the source tree is in the wheel (a subpackage missing from pyproject's
+    # `packages` list would be left out, and only an editable install would work)
+    wanted = {
+        f"zmq_rollout/{f.relative_to(ROOT / 'zmq_rollout').as_posix()}" for f in (ROOT / "zmq_rollout").rglob("*.py")
+    }
+    wanted |= {
+        f"zmq_rollout/{d}/{f.relative_to(ROOT / d).as_posix()}"
+        for d in ("broker", "workers")
+        for f in (ROOT / d).rglob("*.py")
+    }
+    assert sorted(wanted - set(names)) == []
 
 
 def test_light_install_imports_without_torch_or_vllm() -> None:

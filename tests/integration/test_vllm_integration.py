@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -69,8 +70,9 @@ def client(cluster: LocalCluster):
         yield c
 
 
-def reference(model: str, jobs: list[tuple[list[int], dict]]) -> list[list[list[int]]]:
-    """Token ids from direct vLLM (tests/vllm_reference.py in its own process)."""
+def reference(model: str, jobs: list[tuple[list[int], dict]], *, texts: bool = False) -> Any:
+    """Token ids from direct vLLM (tests/vllm_reference.py in its own process); with
+    ``texts``, (token ids, texts) per job and sample."""
     script = Path(__file__).with_name("vllm_reference.py")
     out = subprocess.run(
         [sys.executable, str(script)],
@@ -81,7 +83,8 @@ def reference(model: str, jobs: list[tuple[list[int], dict]]) -> list[list[list[
         check=True,
     )
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("REFERENCE "))
-    return json.loads(line[len("REFERENCE ") :])["outputs"]
+    found = json.loads(line[len("REFERENCE ") :])
+    return (found["outputs"], found["texts"]) if texts else found["outputs"]
 
 
 def by_prompt(rollouts: list[Rollout]) -> list[list[list[int]]]:
@@ -91,22 +94,54 @@ def by_prompt(rollouts: list[Rollout]) -> list[list[list[int]]]:
     return [[r.token_ids for r in sorted(grouped[i], key=lambda r: r.index)] for i in sorted(grouped)]
 
 
-def test_token_ids_identical_to_direct_vllm(cluster: LocalCluster, client: RolloutClient, tiny_model: str) -> None:
+def test_token_ids_and_text_identical_to_direct_vllm(
+    cluster: LocalCluster, client: RolloutClient, tiny_model: str
+) -> None:
+    """Token ids and text equal direct vLLM's: greedy, seeded, and with stop strings (cut, and
+    kept with include_stop_str_in_output), which behave exactly as in vLLM."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=4321, ignore_eos=True)
-    got = by_prompt(client.generate(PROMPTS, greedy)) + by_prompt(client.generate(PROMPTS, seeded))
+    plain = client.generate(PROMPTS, greedy) + client.generate(PROMPTS, seeded)
+    # A stop string that the seeded samples of prompt 0 are known to contain: a printable
+    # ASCII character from the middle of its text (byte-level tokens: mostly other bytes).
+    first = next(r.text for r in plain[len(PROMPTS) :] if r.prompt_index == 0)
+    stop = next(ch for ch in first[2:] if ch.isascii() and ch.isprintable() and not ch.isspace())
+    cut = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=4321, ignore_eos=True, stop=[stop])
+    kept = SamplingParams(
+        n=2, temperature=1.0, max_tokens=12, seed=4321, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
+    stopped = client.generate(PROMPTS, cut)
+    with_stop = client.generate(PROMPTS, kept)
+    calls = [(greedy, plain[: len(PROMPTS)]), (seeded, plain[len(PROMPTS) :]), (cut, stopped), (kept, with_stop)]
     as_dict = lambda s: {
         "n": s.n,
         "temperature": s.temperature,
         "max_tokens": s.max_tokens,
         "seed": s.seed,
         "ignore_eos": True,
+        "stop": list(s.stop) or None,
+        "include_stop_str_in_output": s.include_stop_str_in_output,
     }
-    want = reference(
-        tiny_model, [(ids, as_dict(greedy)) for ids in PROMPTS] + [(ids, as_dict(seeded)) for ids in PROMPTS]
+    want_ids, want_texts = reference(
+        tiny_model, [(ids, as_dict(params)) for params, _ in calls for ids in PROMPTS], texts=True
     )
-    assert got == want
-    assert all(len(s) == 12 for group in got for s in group)
+    got_ids = [group for _, rollouts in calls for group in by_prompt(rollouts)]
+    got_texts = [
+        [r.text for r in sorted(rs, key=lambda r: r.index)]
+        for _, rollouts in calls
+        for rs in [[r for r in rollouts if r.prompt_index == i] for i in range(len(PROMPTS))]
+    ]
+    assert got_ids == want_ids
+    assert got_texts == want_texts
+    assert all(len(s) == 12 for group in got_ids[: 2 * len(PROMPTS)] for s in group)
+    # the stop string behaves: cut before it, or kept at the end; the ids are what was sampled
+    s0 = next(r for r in stopped if r.prompt_index == 0 and r.index == 0)
+    k0 = next(r for r in with_stop if r.prompt_index == 0 and r.index == 0)
+    assert s0.finish_reason == k0.finish_reason == "stop"
+    assert stop not in s0.text and first.startswith(s0.text)
+    assert k0.text == s0.text + stop
+    first_ids = next(r.token_ids for r in plain[len(PROMPTS) :] if r.prompt_index == 0)
+    assert s0.token_ids == k0.token_ids == first_ids[: len(s0.token_ids)]
 
 
 def test_rollout_fields_for_a_trainer(client: RolloutClient) -> None:
@@ -305,9 +340,7 @@ def test_broker_restart_with_jobs_on_real_workers_each_finishes_once(
 ) -> None:
     """Last in this module: the broker's queues are gone after it. The client resubmits what
     had no answer; the workers, unknown to the new broker, reconnect and take it."""
-    futures = [
-        client.submit([i + 3, i + 9], SamplingParams(max_tokens=300, ignore_eos=True, seed=i)) for i in range(8)
-    ]
+    futures = [client.submit([i + 3, i + 9], SamplingParams(max_tokens=300, ignore_eos=True, seed=i)) for i in range(8)]
     poll_until(lambda: cluster.status().running > 0, 60, "jobs to run on the workers")
     workers = len(cluster.registered())
     cluster.restart_broker()

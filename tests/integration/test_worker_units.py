@@ -21,6 +21,9 @@ def test_vllm_sampling_translation() -> None:
     assert (s.n, s.temperature, s.max_tokens, s.seed, s.logprobs) == (3, 0.5, 9, 4, 2)
     assert s.stop == ["x"] and s.output_kind == RequestOutputKind.DELTA
     assert vllm_sampling(p.SamplingParams(), stream=False).output_kind == RequestOutputKind.FINAL_ONLY
+    assert (s.include_stop_str_in_output, s.skip_special_tokens) == (False, True)
+    kept = vllm_sampling(p.SamplingParams(include_stop_str_in_output=True, skip_special_tokens=False), stream=False)
+    assert (kept.include_stop_str_in_output, kept.skip_special_tokens) == (True, False)
 
 
 def test_engine_args_asks_for_processed_logprobs_and_sizes_the_kv_cache() -> None:

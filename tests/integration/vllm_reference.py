@@ -4,7 +4,8 @@ The engine is built with the worker's engine settings (``engine_args``, configur
 so the only difference left is the service between the client and the engine.
 
 Run as a script: reads ``{"model": ..., "jobs": [[prompt_token_ids, sampling_dict], ...]}``
-as JSON on stdin and prints one line ``REFERENCE {"outputs": [[token_ids per sample], ...]}``.
+as JSON on stdin and prints one line ``REFERENCE {"outputs": [[token_ids per sample], ...],
+"texts": [[text per sample], ...]}``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from typing import Any
 
 
 async def main() -> None:
@@ -26,17 +28,22 @@ async def main() -> None:
     llm = AsyncLLM.from_engine_args(engine_args(WorkerConfig(model=request["model"], **LOCAL_WORKER_DEFAULTS)))
     try:
 
-        async def one(i: int, ids: list[int], sampling: dict) -> list[list[int]]:
-            final = None
+        async def one(i: int, ids: list[int], sampling: dict) -> list[tuple[list[int], str]]:
+            # With n > 1, vLLM yields each sample's output as it goes (samples that finish early,
+            # at a stop string, are not repeated in later outputs): keep the latest per index.
+            latest: dict[int, Any] = {}
             async for out in llm.generate({"prompt_token_ids": ids}, SamplingParams(**sampling), f"ref-{i}"):
-                final = out
-            assert final is not None and final.finished
-            return [list(c.token_ids) for c in sorted(final.outputs, key=lambda c: c.index)]
+                for c in out.outputs:
+                    latest[c.index] = c
+            assert len(latest) == sampling.get("n", 1) and all(c.finish_reason for c in latest.values())
+            return [(list(c.token_ids), c.text) for _, c in sorted(latest.items())]
 
-        outputs = await asyncio.gather(*(one(i, ids, s) for i, (ids, s) in enumerate(request["jobs"])))
+        got = await asyncio.gather(*(one(i, ids, s) for i, (ids, s) in enumerate(request["jobs"])))
     finally:
         llm.shutdown()
-    print("REFERENCE " + json.dumps({"outputs": outputs}), flush=True)
+    outputs = [[ids for ids, _ in job] for job in got]
+    texts = [[text for _, text in job] for job in got]
+    print("REFERENCE " + json.dumps({"outputs": outputs, "texts": texts}), flush=True)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def test_body_is_a_plain_msgpack_array() -> None:
         True,
         7,
     )
-    assert sampling == [4, 0.7, 0.9, 50, 32, ["\n", "</s>"], 1234, 5, True]
+    assert sampling == [4, 0.7, 0.9, 50, 32, ["\n", "</s>"], 1234, 5, True, False, True]
     assert codec.encode_body(JOBS[0]) == msgpack.packb(raw_job)
 
 
@@ -175,6 +175,8 @@ def test_extra_trailing_array_items_are_ignored() -> None:
         3,
         "adapter",
         True,
+        None,
+        False,
         "future-field",
         99,
     ]

@@ -26,6 +26,8 @@ from .base import (
     check_int,
 )
 
+MAX_SESSION_ID = MAX_JOB_ID
+
 
 class SamplingParams(Struct):
     """How to sample. Validated on construction and on decode, before anything reaches vLLM.
@@ -43,6 +45,11 @@ class SamplingParams(Struct):
     seed: int | None = None
     logprobs: int = 0
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    """As in vLLM: keep a matched ``stop`` string at the end of ``text``. The token ids always
+    hold the tokens that made it (they are what the model sampled)."""
+    skip_special_tokens: bool = True
+    """As in vLLM: leave special tokens (``<|im_end|>``...) out of ``text``."""
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1, MAX_N)
@@ -59,8 +66,9 @@ class SamplingParams(Struct):
         if self.seed is not None:
             check_int("seed", self.seed, 0, MAX_VERSION)
         check_int("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
-        if type(self.ignore_eos) is not bool:
-            raise ValueError("ignore_eos must be a bool")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be a bool")
 
 
 class ChatMessage(Struct):
@@ -87,6 +95,11 @@ class JobSpec(Struct):
     resubmitted: bool = False
     """Sent again after the broker restarted or forgot the client: a job of this id that the
     broker already has is acknowledged, not refused as a duplicate, and runs once."""
+    session_id: str | None = None
+    """The episode this job is a turn of (scoped to the client, like job ids): the broker sends
+    it to the worker that served the session's last turn, whose prefix cache holds its prompt."""
+    session_end: bool = False
+    """This is the session's last turn: the broker forgets the session once it is dispatched."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID):
@@ -104,6 +117,11 @@ class JobSpec(Struct):
             check_int("min_weight_version", self.min_weight_version, 0, MAX_VERSION)
         if self.lora is not None and not (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME):
             raise ValueError(f"lora must be an adapter name of 1..{MAX_LORA_NAME} characters")
+        sid = self.session_id
+        if sid is not None and not (isinstance(sid, str) and 0 < len(sid) <= MAX_SESSION_ID):
+            raise ValueError(f"session_id must be a string of 1..{MAX_SESSION_ID} characters")
+        if self.session_end and (self.session_end is not True or sid is None):
+            raise ValueError("session_end must be a bool, and true only with a session_id")
 
     def cost(self) -> int:
         """Credits this job occupies on a worker: one per sequence."""
@@ -136,6 +154,9 @@ class Sample(Struct):
     finish_reason: str
     top_logprobs: list[dict[int, float]] | None = None
     weight_versions: list[int] | None = None
+    text: str | None = None
+    """The completion as vLLM detokenized it (``stop`` strings cut as vLLM cuts them); the
+    token ids stay the source of truth."""
 
 
 class Result(Struct):
