@@ -18,6 +18,8 @@ each delta is stamped on arrival), no per-token split.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,6 +47,22 @@ class _Acc:
     unsplit: bool = False
     text: list[str] = field(default_factory=list)  # vLLM's text, piece by piece
 
+    def add(
+        self, tokens: list[int], chosen: list[float], tops: Any, finish: str | None, version: int, text: str, now: int
+    ) -> None:
+        """One output of a request; ``now`` is the engine's version (see ``_drive``'s -1)."""
+        self.token_ids.extend(tokens)
+        self.text.append(text)
+        self.logprobs.extend(chosen)
+        if version < 0:  # a keep-mode switch inside an unstreamed request: no split known
+            self.unsplit = True
+            version = now
+        self.versions.extend([version] * len(tokens))
+        if tops is not None and self.top is not None:
+            self.top.extend(tops)
+        if finish is not None:
+            self.finish_reason = finish
+
     def sample(self) -> p.Sample:
         spans = self.versions if len(set(self.versions)) > 1 and not self.unsplit else None
         return p.Sample(
@@ -63,9 +81,24 @@ def continuation(job: p.JobSpec, acc: _Acc, prompt_ids: list[int]) -> tuple[list
     return prompt_ids + acc.token_ids, params
 
 
+PROMPT_LOG_ENV = "ZMQ_ROLLOUT_TEST_PROMPT_LOG"
+"""A TEST HOOK: a file to which the worker appends, per job, the prompt ids its engine gets
+(one JSON line: job id, session id, ids). tests/integration/test_multi_turn.py proves with it
+that each turn's prompt is the trajectory's exact prefix. Unset in production."""
+
+
+def _log_prompt(job: p.JobSpec, ids: list[int]) -> None:
+    path = os.environ.get(PROMPT_LOG_ENV)
+    if path:
+        line = json.dumps({"job_id": job.job_id, "session_id": job.session_id, "prompt_token_ids": ids}) + "\n"
+        with open(path, "a", encoding="utf-8") as log:  # one write per line: whole lines from each worker
+            log.write(line)
+
+
 async def run_job(engine: Engine, request_id: str, job: p.JobSpec) -> AsyncIterator[p.Delta | p.Result]:
     """``Delta``s (if ``job.stream``), then one ``Result``. Keys are left 0 for the caller."""
     ids = engine.prompt_ids(job)
+    _log_prompt(job, ids)
     top = job.sampling.logprobs
     accs = {i: _Acc(i, top=[] if top else None) for i in range(job.sampling.n)}
     # (request id, prompt, params, index of the sample, or None: vLLM's own n samples)
@@ -88,18 +121,7 @@ async def run_job(engine: Engine, request_id: str, job: p.JobSpec) -> AsyncItera
                 if isinstance(item, BaseException):
                     raise item
                 index, tokens, chosen, tops, finish, version, text = item
-                acc = accs[index]
-                acc.token_ids.extend(tokens)
-                acc.text.append(text)
-                acc.logprobs.extend(chosen)
-                if version < 0:  # a keep-mode switch inside an unstreamed request: no split known
-                    acc.unsplit = True
-                    version = engine.weight_version
-                acc.versions.extend([version] * len(tokens))
-                if tops is not None and acc.top is not None:
-                    acc.top.extend(tops)
-                if finish is not None:
-                    acc.finish_reason = finish
+                accs[index].add(tokens, chosen, tops, finish, version, text, engine.weight_version)
                 if job.stream and tokens:
                     yield p.Delta(0, index, tokens, chosen)
         finally:

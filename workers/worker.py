@@ -78,12 +78,19 @@ class Worker:
             self.config.model,
             self.engine.max_num_seqs,
             self.engine.weight_version,
-            ["generate", "stream", "chat", "weight_sync:shm", "weight_sync:gloo", "weight_sync:nccl"],
+            self.capabilities(),
             self.engine.max_model_len,
             self.config.tensor_parallel_size,
         )
         self._send_now(p.READY, info)
         log.info("worker %s: READY to %s with %d credits", self.name, self.config.broker, info.credits)
+
+    def capabilities(self) -> list[str]:
+        """What READY tells the broker (and ``status()`` the trainer) this worker can do."""
+        can = ["generate", "stream", "chat", "text", "weight_sync:shm", "weight_sync:gloo", "weight_sync:nccl"]
+        if self.config.enable_lora:
+            can.append("lora")
+        return can
 
     async def _handshakes(self, monitor: zmq.asyncio.Socket) -> None:
         """Log once (per kind) that the broker refuses our CurveZMQ handshake; ZeroMQ retries."""

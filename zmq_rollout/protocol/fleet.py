@@ -47,6 +47,10 @@ class WorkerStatus(Struct):
     weight_version: int
     idle_s: float
     """Seconds since the broker last heard from it."""
+    capabilities: list[str] = []
+    """What it said it can do in its READY (``generate``, ``lora``, ``weight_sync:shm`` ...)."""
+    max_model_len: int = 0
+    """Its engine's longest prompt + completion, in tokens."""
 
 
 class ClientStatus(Struct):
@@ -72,3 +76,6 @@ class StatusReply(Struct):
     running: int
     fleet_version: int = 0
     totals: JobTotals = msgspec.field(default_factory=JobTotals)
+    environments: list[str] = []
+    """The multi-turn environments the *asking client's* process can build (its entry points
+    and registrations: docs/multi_turn.md). The broker sends it empty; the client fills it."""
