@@ -101,8 +101,46 @@ class SchedulerCollector:
             "zmq_rollout_credits_free", "Credits not in use.", value=sum(max(0, w.credits_free) for w in workers)
         )
         yield GaugeMetricFamily("zmq_rollout_queued_jobs", "Queued jobs across clients.", value=s.num_queued)
+        yield from session_families(s)
         yield from worker_families(s, self.clock())
         yield from sync_families(s)
+
+
+def session_families(s: Scheduler) -> Iterator[Metric]:
+    """Session affinity (``affinity.py``): where turns went, turns held, records kept."""
+    stats = s.stats.sessions
+    for name, doc, label, values in (
+        (
+            "zmq_rollout_session_dispatches",
+            "Session turns dispatched, by outcome (affine: to the worker of the session's last turn; "
+            "moved: to another; new: no record of the session).",
+            "outcome",
+            stats.dispatches,
+        ),
+        (
+            "zmq_rollout_session_holds",
+            "Session turns held for their full worker, by outcome (served: it had room within "
+            "affinity_wait_s; released: they went to the least loaded).",
+            "outcome",
+            stats.holds,
+        ),
+        (
+            "zmq_rollout_sessions_dropped",
+            "Session records dropped, by reason (ended, idle, cap).",
+            "reason",
+            stats.dropped,
+        ),
+    ):
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for value, count in list(values.items()):
+            family.add_metric([value], count)
+        yield family
+    yield GaugeMetricFamily(
+        "zmq_rollout_sessions", "Sessions remembered (with their last worker).", value=len(s.affinity.sessions)
+    )
+    yield GaugeMetricFamily(
+        "zmq_rollout_held_jobs", "Session turns waiting for their worker now (queued jobs).", value=s.affinity.num_held
+    )
 
 
 def serve_metrics(scheduler: Scheduler, port: int, addr: str = "127.0.0.1") -> Any:

@@ -5,7 +5,8 @@ back, time passed) and writes the messages to send into an ``Outbox``. It never 
 socket, so every rule here is unit-tested without one (tests/unit/test_scheduler.py).
 
 Invariants:
-- a job is in exactly one place: its client's ``queue`` or one worker's ``running``;
+- a job is in exactly one place: its client's ``queue``, held for its session's worker
+  (``affinity.py``; still in the client's ``queued``) or one worker's ``running``;
 - a worker never holds more credits of work than it announced, except that a job larger
   than all of a worker's credits may run alone on an idle worker;
 - each job gets exactly one FINAL or ERROR to its client: results under a ticket that is
@@ -24,6 +25,7 @@ from collections import deque
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
 
+from .affinity import Affinity, Held, fits
 from .outbox import Outbox
 from .staleness import observe_crossing
 from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
@@ -32,6 +34,8 @@ from .sync import SyncCoordinator
 
 log = logging.getLogger(__name__)
 
+Heap = list[tuple[float, WorkerId, WorkerState]]
+"""Workers with free credits by load, then identity (a deterministic tie-break)."""
 MAX_REMEMBERED = 100_000  # answered job ids kept per client for resubmissions (see ClientState.finished)
 
 
@@ -42,12 +46,13 @@ class Scheduler:
         self.stats = BrokerStats()
         self.clients: dict[ClientId, ClientState] = {}
         self.workers: dict[WorkerId, WorkerState] = {}
-        self._waiting: deque[ClientState] = deque()  # clients with a non-empty queue, in turn order
+        self._waiting: deque[ClientState] = deque()  # clients with queued or held jobs, in turn order
         self._tickets = itertools.count(1)
         self.num_queued = 0
         self.defer_dispatch = False
         self.dispatch_pending = False
         self.sync = SyncCoordinator(self, self.config.round_idle_timeout_s)
+        self.affinity = Affinity(self.config, self.stats.sessions)
 
     @property
     def fleet_version(self) -> int:
@@ -105,7 +110,7 @@ class Scheduler:
         self.dispatch_soon(now)
 
     def _enqueue(self, client: ClientState, job: Job, *, front: bool = False) -> None:
-        if not client.queue:
+        if not client.queue and not self.affinity.holds(client.identity):
             self._waiting.append(client)
         if front:
             client.queue.appendleft(job)
@@ -149,6 +154,7 @@ class Scheduler:
         for jid in dropped:
             self._drop_job(client, jid)
         client.queue.clear()
+        self.affinity.client_gone(identity)
         if client in self._waiting:
             self._waiting.remove(client)
         self.stats.dropped_client_gone += len(dropped)
@@ -277,6 +283,7 @@ class Scheduler:
         if worker is None:
             return
         self.sync.forget(identity, reason, now)
+        self._unhold(self.affinity.worker_gone(identity))  # its sessions' turns go anywhere
         requeued = failed = 0
         for job in reversed(list(worker.running.values())):
             client = self.clients.get(job.client)
@@ -326,6 +333,7 @@ class Scheduler:
             if client.finished is not None and now - client.since > cfg.client_expiry_s:
                 client.finished = None  # past the time a resubmission comes in
         self.sync.tick(now)
+        self.affinity.expire(now)
         self.stats.forget_gone_workers(now)
         for identity in self.workers:
             self.outbox.to_worker(identity, p.HEARTBEAT, None)
@@ -344,36 +352,83 @@ class Scheduler:
             self.dispatch_pending = False
             self.dispatch(now)
 
+    def wake_at(self) -> float | None:
+        """When a held turn stops waiting for its worker (the socket loop polls no longer)."""
+        return self.affinity.next_deadline()
+
+    def wake(self, now: float) -> None:
+        """Dispatch if a held turn's wait is over."""
+        at = self.affinity.next_deadline()
+        if at is not None and at <= now:
+            self.dispatch_soon(now)
+
+    def _unhold(self, released: list[Held]) -> None:
+        """Put released turns back at the front of their clients' queues, in order."""
+        for entry in reversed(released):
+            client = self.clients.get(entry.client)
+            if client is not None:
+                client.queue.appendleft(entry.job)  # still in ``queued``; the client is waiting
+
     def dispatch(self, now: float) -> None:
         """Hand queued jobs to workers with free credits: least loaded worker first, one job
         per client in turn (fair sharing), never to a worker older than a job's
-        ``min_weight_version``."""
+        ``min_weight_version``. A session's turn goes to its last worker if that has room, or
+        waits for it (``affinity.py``) while its client's later jobs go on."""
+        self._unhold(self.affinity.release_due(now))
         if not self._waiting:
             return
-        heap = [(w.load(), id(w), w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
+        heap: Heap = [(w.load(), w.identity, w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
         if not heap:
             return
         heapq.heapify(heap)
         blocked: list[ClientState] = []
         waiting = self._waiting
+        holds = self.affinity.holds
+        stale = False  # a heap entry's load is out of date (a job went to a worker not popped)
         while waiting and heap:
             client = waiting.popleft()
-            job = self._head(client)
-            if job is None:
+            found = self._next(client, heap, stale, now)
+            if found is None:
+                if client.queue or holds(client.identity):
+                    blocked.append(client)  # no eligible worker now; keep its place for later
                 continue
-            worker = self._pick(heap, job)
-            if worker is None:
-                blocked.append(client)  # no eligible worker now; keep its place for later
-                continue
-            client.queue.popleft()
-            del client.queued[job.spec.job_id]
-            self.num_queued -= 1
+            job, worker, popped = found
             self._assign(worker, client, job, now)
-            if worker.credits_free > 0:
-                heapq.heappush(heap, (worker.load(), id(worker), worker))
-            if client.queue:
+            if not popped:
+                stale = True
+            elif worker.credits_free > 0:
+                heapq.heappush(heap, (worker.load(), worker.identity, worker))
+            if client.queue or holds(client.identity):
                 waiting.append(client)
         waiting.extendleft(reversed(blocked))
+
+    def _next(self, client: ClientState, heap: Heap, stale: bool, now: float) -> tuple[Job, WorkerState, bool] | None:
+        """The job ``client`` sends in its turn, its worker, and whether that was popped from
+        ``heap``: a held turn whose worker has room, else its queue's head (to its session's
+        worker if that has room; held if that is full; else to the least loaded)."""
+        aff, cid = self.affinity, client.identity
+        if aff.holds(cid):
+            entry = aff.ready(cid, heap)
+            if entry is not None:
+                return self._dequeue(client, aff.take(entry)), self.workers[entry.worker], False
+        while (job := self._head(client)) is not None:
+            target = None if job.spec.session_id is None else aff.target(cid, job, self.workers)
+            if target is not None:
+                if fits(target, job):
+                    return self._dequeue(client, client.queue.popleft()), target, False
+                if aff.hold(cid, job, target.identity, now):
+                    client.queue.popleft()
+                    continue
+            worker = self._pick(heap, job, stale)
+            if worker is None:
+                return None
+            return self._dequeue(client, client.queue.popleft()), worker, True
+        return None
+
+    def _dequeue(self, client: ClientState, job: Job) -> Job:
+        del client.queued[job.spec.job_id]
+        self.num_queued -= 1
+        return job
 
     @staticmethod
     def _head(client: ClientState) -> Job | None:
@@ -383,15 +438,21 @@ class Scheduler:
         return queue[0] if queue else None
 
     @staticmethod
-    def _pick(heap: list[tuple[float, int, WorkerState]], job: Job) -> WorkerState | None:
-        """Pop the least loaded worker that can take ``job``; others go back on the heap."""
+    def _pick(heap: Heap, job: Job, stale: bool) -> WorkerState | None:
+        """Pop the least loaded worker that can take ``job``; others go back on the heap. With
+        ``stale``, an entry whose load changed (a job went to it unpopped) is renewed first."""
         skipped = []
         found = None
         while heap:
             entry = heapq.heappop(heap)
             w = entry[2]
-            fits = job.cost <= w.credits_free or w.credits_used == 0
-            if fits and w.weight_version >= job.spec.min_weight_version:
+            free = w.credits_free
+            if free <= 0:
+                continue  # filled up while on the heap
+            if stale and entry[0] != w.load():
+                heapq.heappush(heap, (w.load(), entry[1], w))
+                continue
+            if (job.cost <= free or w.credits_used == 0) and w.weight_version >= job.spec.min_weight_version:
                 found = w
                 break
             skipped.append(entry)
@@ -409,6 +470,8 @@ class Scheduler:
         client.running[job.spec.job_id] = (worker.identity, job.ticket)
         self.stats.observe_queue_wait(now - job.submitted_at)
         self.outbox.to_worker(worker.identity, p.JOBS, p.Assignment(job.ticket, job.spec))
+        if job.spec.session_id is not None:
+            self.affinity.dispatched(client.identity, job, worker.identity, now)
 
     # -- status ----------------------------------------------------------------------------
     def worker_state(self, w: WorkerState) -> str:
@@ -426,6 +489,8 @@ class Scheduler:
                 len(w.running),
                 w.weight_version,
                 round(now - w.last_seen, 3),
+                list(w.info.capabilities),
+                w.info.max_model_len,
             )
             for w in self.workers.values()
         ]

@@ -163,7 +163,9 @@ class Broker:
         next_tick = time.monotonic() + interval
         try:
             while not self._stop.is_set():
-                timeout_ms = max(0.0, min(next_tick - time.monotonic(), 0.1)) * 1000
+                held = self.scheduler.wake_at()  # a turn held for its session's worker stops waiting
+                wake = next_tick if held is None else min(next_tick, held)
+                timeout_ms = max(0.0, min(wake - time.monotonic(), 0.1)) * 1000
                 before = time.monotonic()
                 ready = dict(poller.poll(int(timeout_ms)))
                 now = time.monotonic()
@@ -181,6 +183,7 @@ class Broker:
                 if now >= next_tick:
                     self.scheduler.tick(now)
                     next_tick = now + interval
+                self.scheduler.wake(now)
                 self._flush(now)
         finally:
             self._close()

@@ -23,6 +23,16 @@ because the trainer disconnected, expired or went silent (``round_idle_timeout_s
 LOSS_REASONS = ("expired", "evicted", "disconnected", "unroutable", "other")
 """Why a worker was purged: heartbeats stopped; a sync step's deadline passed; it said
 DISCONNECT; a send to it failed; anything else."""
+SESSION_OUTCOMES = ("affine", "moved", "new")
+"""Where a session's turn went: the worker of its last turn; another (that worker was gone,
+or full past ``affinity_wait_s``, or the turn was requeued); its first turn (or no record:
+ended, idle, dropped over ``max_sessions``)."""
+HOLD_OUTCOMES = ("served", "released")
+"""A turn held for its full worker: got it within ``affinity_wait_s``; went to the least
+loaded after that wait, or when its worker was purged."""
+SESSION_DROPS = ("ended", "idle", "cap")
+"""Why a session's record went: a turn said ``session_end``; ``session_idle_s`` without a
+turn; the oldest, to keep ``max_sessions``."""
 GONE_WORKER_RETENTION_S = 900.0
 """A worker name's counters outlive its last connection by this long, so that the requeues
 its loss caused and a flapping worker's joins can be seen (and alerted on); then they go."""
@@ -116,6 +126,15 @@ class SyncStats:
 
 
 @dataclass
+class SessionStats:
+    """Session affinity (``broker/affinity.py``): one add per session turn dispatched."""
+
+    dispatches: dict[str, int] = field(default_factory=lambda: _zeros(SESSION_OUTCOMES))
+    holds: dict[str, int] = field(default_factory=lambda: _zeros(HOLD_OUTCOMES))
+    dropped: dict[str, int] = field(default_factory=lambda: _zeros(SESSION_DROPS))
+
+
+@dataclass
 class BrokerStats:
     submitted: int = 0
     completed: int = 0
@@ -137,6 +156,7 @@ class BrokerStats:
     version_span: Histogram = field(default_factory=lambda: Histogram(VERSION_BUCKETS))
     """Per completed sample whose tokens span a sync: its newest token's version minus its oldest."""
     sync: SyncStats = field(default_factory=SyncStats)
+    sessions: SessionStats = field(default_factory=SessionStats)
     workers: dict[str, WorkerTally] = field(default_factory=dict)  # by worker name
     workers_lost: dict[str, int] = field(default_factory=lambda: _zeros(LOSS_REASONS))
 

@@ -33,6 +33,18 @@ class BrokerConfig:
     """A job whose worker dies this many times in a row fails instead of being requeued again."""
     max_message_bytes: int = 64 << 20
     """Larger client messages are refused with an error (weight data does not pass through the broker)."""
+    affinity: bool = True
+    """Send a session's next turn (jobs with a session_id) to the worker that served its last, whose prefix
+    cache holds its prompt; --no-affinity: least loaded first only (sessions are still counted)."""
+    affinity_wait_s: float = 0.05
+    """How long a session's turn waits for its worker when that worker is full (others' jobs go on meanwhile);
+    then it goes to the least loaded worker. 0: never wait. About the time a busy engine takes to free a credit,
+    and less than recomputing a long prefix costs."""
+    session_idle_s: float = 300.0
+    """A session with no turn for this long is forgotten (its next turn goes anywhere)."""
+    max_sessions: int = 100_000
+    """Sessions remembered at most (about 300 bytes each: 30 MB at most); beyond it the least recently used is
+    forgotten."""
     round_idle_timeout_s: float = 300.0
     """A weight-sync round whose trainer sends no step for this long is aborted (its workers resume)."""
     metrics_port: int | None = None
@@ -44,6 +56,14 @@ class BrokerConfig:
     ports accept only CurveZMQ peers (encrypted, authenticated). Empty: plaintext, open to anyone who connects."""
     allow_keys: str = ""
     """A folder of the public key files (*.key) of the clients and workers let in; read again when it changes."""
+
+    def __post_init__(self) -> None:
+        for name in ("affinity_wait_s", "session_idle_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"BrokerConfig.{name} must be a finite number of seconds >= 0, got {value!r}")
+        if not (isinstance(self.max_sessions, int) and self.max_sessions >= 1):
+            raise ValueError(f"BrokerConfig.max_sessions must be a positive integer, got {self.max_sessions!r}")
 
     @property
     def worker_expiry_s(self) -> float:
