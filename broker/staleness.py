@@ -30,6 +30,7 @@ class SampleVersions(msgspec.Struct, array_like=True, gc=False):
     finish_reason: msgspec.Raw
     top_logprobs: msgspec.Raw = msgspec.Raw(b"\xc0")
     weight_versions: list[int] | None = None
+    text: msgspec.Raw = msgspec.Raw(b"\xc0")
 
 
 _decoder = msgspec.msgpack.Decoder(list[SampleVersions])
