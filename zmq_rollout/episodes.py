@@ -35,6 +35,7 @@ from zmq_rollout.rollouts import make_job, to_rollouts
 if TYPE_CHECKING:
     from zmq_rollout.client import AsyncRolloutClient
 
+_MASK63 = (1 << 63) - 1
 FinishReason = Literal["done", "max_turns", "budget", "error", "stale"]
 
 
@@ -134,7 +135,9 @@ async def run_episodes(
     with ``env_kwargs`` once per episode. ``tokenizer``: the policy's Hugging Face tokenizer
     (or a path to it), whose chat template turns the environment's messages into ids.
     ``sampling``: per turn; its ``n`` must be 1 (``n`` here is the episodes per sample), its
-    ``max_tokens`` is the per-turn limit unless ``max_tokens_per_turn`` says otherwise.
+    ``max_tokens`` is the per-turn limit unless ``max_tokens_per_turn`` says otherwise; a
+    ``seed`` makes the run reproducible, each turn of each episode sampled with its own seed
+    derived from it (so the ``n`` episodes of a sample differ).
     ``max_total_tokens``: the whole conversation's budget (then ``finish_reason="budget"``).
     ``processes``: 0 runs environments in this event loop; K > 0 in K processes (for
     environments that compute or block). ``step_timeout_s``: a reset or step that takes
@@ -302,7 +305,10 @@ def _stale(run: _Run, t: Trajectory) -> bool:
 
 
 async def _generate(run: _Run, key: str, t: Trajectory, max_tokens: int, *, last: bool) -> Any:
-    sampling = msgspec.structs.replace(run.sampling, max_tokens=max_tokens)
+    seed = run.sampling.seed
+    if seed is not None:  # one seed for every turn of every episode would make a group's episodes alike
+        seed = (seed * 1_000_003 + (t.sample_index * 65_537 + t.index) * 7_919 + t.num_turns) & _MASK63
+    sampling = msgspec.structs.replace(run.sampling, max_tokens=max_tokens, seed=seed)
     job = make_job(f"{key}-t{next(run.ids)}", list(t.token_ids), sampling, lora=run.lora)
     job = _with_session(job, key, last)
     (handle,) = await run.client.submit_jobs([job])

@@ -168,3 +168,22 @@ def test_bad_arguments_are_refused_before_any_episode(start_broker: Any) -> None
 async def _with_client(broker: Any, call: Any) -> Any:
     async with AsyncRolloutClient(broker.frontend, timeout_s=10) as client:
         return await call(client)
+
+
+def test_a_seed_gives_every_turn_of_every_episode_its_own_reproducible_seed(
+    start_broker: Any, start_double: Any
+) -> None:
+    broker = start_broker()
+    double = start_double(broker)
+
+    async def run_once() -> list[int | None]:
+        double.received.clear()
+        async with AsyncRolloutClient(broker.frontend, timeout_s=60) as client:
+            await run_episodes(
+                client, "scripted", ["a", "b"], SamplingParams(max_tokens=4, seed=5), tokenizer=TOKENIZER, n=2
+            )
+        return sorted(a.job.sampling.seed for a in double.received)  # type: ignore[type-var]
+
+    first = asyncio.run(run_once())
+    assert len(first) == 12 and len(set(first)) == 12  # 2 samples x 2 episodes x 3 turns, all different
+    assert asyncio.run(run_once()) == first
