@@ -115,6 +115,9 @@ def test_no_chat_template_is_refused() -> None:
 
 
 def test_a_template_that_does_not_end_with_the_generation_prompt_is_refused() -> None:
-    odd = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>>{% endif %}"
+    odd = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}>>{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="cannot be split"):
         ChatTokens(tokenizer(odd))
