@@ -14,6 +14,7 @@ from typing import Any, Optional
 import typer
 
 from zmq_rollout.config import BrokerConfig, ClientConfig, WorkerConfig
+from zmq_rollout.gateway.config import GatewayConfig
 from zmq_rollout.settings import config_options
 
 app = typer.Typer(
@@ -246,36 +247,10 @@ def top(
 
 
 @app.command()
-def gateway(
-    broker: str = typer.Option("tcp://127.0.0.1:5555", "--broker", help="The broker's frontend."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve HTTP on (0.0.0.0: every interface)."),
-    port: int = typer.Option(8000, "--port", help="Port to serve HTTP on."),
-    chat_max_tokens: int = typer.Option(
-        1024, "--chat-max-tokens", help="max_tokens of a chat request that gives none."
-    ),
-    timeout_s: float = typer.Option(600.0, "--timeout-s", help="Seconds a request waits for its completions (504)."),
-    name: str = typer.Option("gateway", "--name", help="This gateway's client name at the broker."),
-    curve_server_key: str = typer.Option("", "--curve-server-key", help="The broker's public key file (CurveZMQ)."),
-    curve_secret_key: str = typer.Option("", "--curve-secret-key", help="This gateway's keypair file (CurveZMQ)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v"),
-) -> None:
+@config_options(GatewayConfig)
+def gateway(config: GatewayConfig, verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
     """Serve the OpenAI API of `vllm serve` that RL frameworks call (/v1/completions,
     /v1/chat/completions, /v1/models, /health) over the broker (docs/integrations.md)."""
-    from zmq_rollout.gateway import GatewayConfig
-
-    try:
-        config = GatewayConfig(
-            broker=broker,
-            host=host,
-            port=port,
-            chat_max_tokens=chat_max_tokens,
-            timeout_s=timeout_s,
-            name=name,
-            curve_server_key=curve_server_key,
-            curve_secret_key=curve_secret_key,
-        )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
     from zmq_rollout.gateway.app import serve
 
     _logging(verbose)

@@ -376,3 +376,16 @@ def test_a_client_that_goes_away_cancels_its_jobs(
     poll_until(lambda: broker.jobs("cancelled") == 1, what="the broker to count the cancel")
     counts = requests_total(url)
     assert counts == {"zmq_rollout_gateway_requests_total{code=499,endpoint=/v1/completions}": 1}
+
+
+def test_the_gateway_is_light() -> None:
+    """Neither torch nor vLLM nor transformers: a gateway runs anywhere, starts at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, zmq_rollout.gateway.app, zmq_rollout.cli;"
+        "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
