@@ -3,6 +3,7 @@
     python benchmarks/broker_throughput.py            # full run, about 3 minutes
     python benchmarks/broker_throughput.py --quick    # CI smoke, under a minute
     python benchmarks/broker_throughput.py --profile  # one batched case, broker profiled
+    python benchmarks/broker_throughput.py --baseline-ref 39adf1e  # broker cases, that commit's broker vs. this one
 
 Every party is its own spawned process: the broker; the workers (``EchoWorkerDouble``, the
 *test double* that answers each job at once, as threads spread over ``--worker-procs``
@@ -14,14 +15,20 @@ saturated broker from a starved one. Prompts are 100 bytes. See benchmarks/READM
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +36,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling role mod
 
 import profiling
 import roles
-from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, percentile_us, report
+from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, percentile_us, report, report_comparison
 
 CTX = mp.get_context("spawn")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Tree:
+    """A source tree whose broker a ``--baseline-ref`` run measures: ``before`` (a worktree of
+    the ref) or ``after`` (this checkout's working tree, or a worktree of ``--after-ref``)."""
+
+    label: str
+    path: str
+    describe: str
+    wire: dict[str, Any] = field(default_factory=dict)
+    """Its ``roles.wire_fingerprint()``, from its broker's ready line."""
+    files: list[str] = field(default_factory=list)
+    """The files of the ``zmq_rollout`` modules its broker imported, relative to ``path``."""
+
+
+class TreeProcess:
+    """A ``subprocess.Popen`` with the parts of ``multiprocessing.Process`` that ``Group`` uses."""
+
+    def __init__(self, popen: subprocess.Popen[str]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+        if self.popen.poll() is not None and self.popen.stdout is not None:
+            self.popen.stdout.close()
 
 
 @dataclass(frozen=True)
@@ -69,6 +118,24 @@ class Group:
         proc = CTX.Process(target=target, args=(self.report, tag, *args), name=tag, daemon=True)
         proc.start()
         self.procs.append((role, tag, proc))
+        return tag
+
+    def start_tree_broker(self, tag: str, tree: Tree) -> str:
+        """``roles.tree_broker``: the broker of ``tree`` in a fresh interpreter (``python -c``);
+        its ready line goes on the report queue like a role's ``ready``."""
+        command = roles.tree_command(tree.path, f"tree_broker({tree.path!r})")
+        popen = subprocess.Popen(command, cwd=tree.path, stdout=subprocess.PIPE, text=True)
+        self.procs.append(("server", tag, TreeProcess(popen)))
+
+        def relay() -> None:
+            line = popen.stdout.readline() if popen.stdout else ""
+            try:
+                self.report.put(("ready", tag, json.loads(line)))
+            except ValueError:
+                if line:  # else it died: ``expect`` sees its exit code
+                    self.report.put(("error", tag, f"not a ready line: {line!r}"))
+
+        threading.Thread(target=relay, daemon=True).start()
         return tag
 
     def expect(self, kind: str, tags: list[str], timeout: float = 60.0) -> dict[str, Any]:
@@ -160,10 +227,43 @@ def split(total: int, procs: int) -> list[int]:
     return [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
 
 
+def _own_files(tree: Tree, files: list[str]) -> list[str]:
+    """``files`` relative to the tree; raises if one is not in it (a module of another tree)."""
+    root = os.path.realpath(tree.path) + os.sep
+    strays = [f for f in files if not os.path.realpath(f).startswith(root)]
+    if strays or not files:
+        raise RuntimeError(f"the {tree.label} broker imported zmq_rollout from outside {tree.path}: {strays}")
+    return sorted(os.path.relpath(os.path.realpath(f), root) for f in files)
+
+
+def tree_broker_ready(g: Group, tree: Tree) -> tuple[str, str]:
+    """Start ``tree``'s broker; check that every ``zmq_rollout`` module it imported is the
+    tree's and that it speaks the wire it spoke before (``check_protocol``); its addresses."""
+    ready = g.expect("ready", [g.start_tree_broker("broker", tree)])["broker"]
+    tree.files = _own_files(tree, ready["files"])
+    if tree.wire and ready["wire"] != tree.wire:
+        raise RuntimeError(f"the {tree.label} broker's wire changed during the run ({tree.path} was edited?)")
+    tree.wire = ready["wire"]
+    return ready["frontend"], ready["backend"]
+
+
+def run_tree_scheduler(tree: Tree, args: argparse.Namespace) -> float:
+    """``roles.tree_scheduler``: the scheduler of ``tree`` alone, in process; best us/job."""
+    rounds, samples = (50, 5) if args.quick else (200, 9)
+    command = roles.tree_command(tree.path, f"tree_scheduler({tree.path!r}, {rounds}, {samples})")
+    done = subprocess.run(command, cwd=tree.path, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {tree.label} scheduler run failed:\n{done.stderr}")
+    result = json.loads(done.stdout.splitlines()[-1])
+    _own_files(tree, result["files"])
+    return float(result["us_per_job"])
+
+
 def start_servers(
-    g: Group, setup: Setup, args: argparse.Namespace, profile: str | None = None
+    g: Group, setup: Setup, args: argparse.Namespace, profile: str | None = None, tree: Tree | None = None
 ) -> tuple[str, list[str]]:
-    """Start the server side of ``setup``; returns the clients' address and the worker tags."""
+    """Start the server side of ``setup``; returns the clients' address and the worker tags.
+    ``tree``: the broker is that source tree's (``--baseline-ref``), not the installed one."""
     if setup.kind == "http":
         from http_baseline import http_server
 
@@ -175,8 +275,11 @@ def start_servers(
         front, back = g.expect("ready", ["proxy"])["proxy"]
         target = roles.raw_echoes
     else:
-        g.start("server", "broker", roles.broker, profile)
-        front, back = g.expect("ready", ["broker"])["broker"]
+        if tree is not None:
+            front, back = tree_broker_ready(g, tree)
+        else:
+            g.start("server", "broker", roles.broker, profile)
+            front, back = g.expect("ready", ["broker"])["broker"]
         target, extra = roles.echo_doubles, (args.credits,)
     tags = [
         g.start("workers", f"workers{i}", target, back, n, *extra)
@@ -185,8 +288,11 @@ def start_servers(
     return front, tags
 
 
-def run_throughput(setup: Setup, args: argparse.Namespace, profile: tuple[str, str] | None = None) -> dict[str, Any]:
-    """One case. ``profile``: (``py-spy`` or ``cprofile``, output path) profiles the broker."""
+def run_throughput(
+    setup: Setup, args: argparse.Namespace, profile: tuple[str, str] | None = None, tree: Tree | None = None
+) -> dict[str, Any]:
+    """One case. ``profile``: (``py-spy`` or ``cprofile``, output path) profiles the broker;
+    ``tree``: the broker of that source tree (``--baseline-ref``)."""
     if setup.kind == "curve":  # every process of the case (spawned: they read it at start) uses the keys
         os.environ[roles.CURVE_ENV] = roles.make_curve_keys(args.keys_dir)
     else:
@@ -194,7 +300,7 @@ def run_throughput(setup: Setup, args: argparse.Namespace, profile: tuple[str, s
     g, spy = Group(), None
     try:
         cprofile_out = profile[1] if profile and profile[0] == "cprofile" else None
-        address, worker_tags = start_servers(g, setup, args, cprofile_out)
+        address, worker_tags = start_servers(g, setup, args, cprofile_out, tree)
         if setup.kind == "http":
             from http_baseline import http_client
 
@@ -254,12 +360,16 @@ LATENCY_PATHS = {  # name: (server role, worker role or None, client kind)
 }
 
 
-def run_latency(path: str, args: argparse.Namespace) -> list[int]:
+def run_latency(path: str, args: argparse.Namespace, tree: Tree | None = None) -> list[int]:
+    """Round trips of one path, in ns. ``tree``: the ``broker`` path's broker is that tree's."""
     server, workers, kind = LATENCY_PATHS[path]
     g = Group()
     try:
-        g.start("server", server, getattr(roles, server), *((None,) if server == "broker" else ()))
-        ready = g.expect("ready", [server])[server]
+        if tree is not None and server == "broker":
+            ready: Any = tree_broker_ready(g, tree)
+        else:
+            g.start("server", server, getattr(roles, server), *((None,) if server == "broker" else ()))
+            ready = g.expect("ready", [server])[server]
         address = ready[0] if isinstance(ready, tuple) else ready
         if workers is not None:
             extra = (args.credits,) if workers == "echo_doubles" else ()
@@ -301,6 +411,197 @@ def profile(args: argparse.Namespace) -> None:
         profiling.print_cprofile(path, 30)
 
 
+def selected(args: argparse.Namespace, name: str) -> bool:
+    """Whether ``--only`` (texts, comma-separated) lets the case ``name`` run."""
+    return not args.only or any(text and text in name for text in args.only.split(","))
+
+
+# -- --baseline-ref: the broker of another commit beside this one -----------------------------
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout.rstrip()
+
+
+@contextlib.contextmanager
+def worktree(ref: str) -> Iterator[tuple[str, str]]:
+    """``git worktree add --detach`` of ``ref`` in a temporary folder: (its path, the commit).
+    Removed (and pruned) at the end, on an error and on Ctrl-C or SIGTERM too."""
+    try:
+        sha = _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"{ref!r} is not a commit of {REPO}") from None
+    tmp = tempfile.mkdtemp(prefix="zr-bench-tree-")
+    path = os.path.join(tmp, "tree")
+    try:
+        _git("worktree", "add", "--detach", "--quiet", path, sha)
+        yield path, sha
+    finally:
+        # A second Ctrl-C (or the SIGTERM that follows one) must not leave a worktree behind.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            git = ["git", "-C", str(REPO), "worktree"]
+            subprocess.run([*git, "remove", "--force", path], check=False, capture_output=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            subprocess.run([*git, "prune"], check=False, capture_output=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def wire_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """What differs between two ``roles.wire_fingerprint()``s: commands, then structs."""
+    out, defs_a, defs_b = [], {}, {}
+    for table in sorted(set(a["tables"]) | set(b["tables"])):
+        ta, tb = a["tables"].get(table, {}), b["tables"].get(table, {})
+        for cmd in sorted(set(ta) | set(tb)):
+            for schema, defs in ((ta.get(cmd), defs_a), (tb.get(cmd), defs_b)):
+                defs.update((schema or {}).get("$defs", {}))
+            if cmd not in ta or cmd not in tb or ta[cmd] != tb[cmd]:
+                out.append(f"{table} 0x{cmd}")
+    out += [f"struct {n}" for n in sorted(set(defs_a) | set(defs_b)) if defs_a.get(n) != defs_b.get(n)]
+    return out
+
+
+def check_protocol(tree: Tree, args: argparse.Namespace, clients: dict[str, Any]) -> str:
+    """Before measuring: ``tree``'s broker must speak the wire of this checkout's clients and
+    echo doubles (both trees' brokers serve the same clients and workers). The protocol
+    version (the signature, ``ZR1``) must be the same; then one echo double and one client of
+    this checkout exchange what the benchmark sends (one SUBMIT of 64 jobs, 64 one-job
+    SUBMITs): every job must come back FINAL, none refused. Raises naming the tree if not;
+    a line for the report if so. A wire schema that differs (``wire_differences``) is
+    reported, not refused: the protocol lets a receiver ignore trailing fields it does not
+    know, and a sender omit those at their defaults (``zmq_rollout/protocol/base.py``)."""
+    import zmq
+
+    from zmq_rollout import codec
+    from zmq_rollout import protocol as p
+
+    g, sock, answered, refused = Group(), None, set(), []
+    ids = [f"check-{i}" for i in range(2 * BATCH)]
+    try:
+        front, back = tree_broker_ready(g, tree)
+        if tree.wire["signature"] != clients["signature"]:
+            raise RuntimeError(
+                f"the {tree.label} broker ({tree.describe}) speaks protocol {tree.wire['signature']!r}, this "
+                f"checkout's clients and workers {clients['signature']!r}: they cannot be measured together"
+            )
+        g.start("workers", "check-workers", roles.echo_doubles, back, 1, args.credits)
+        g.expect("ready", ["check-workers"])
+        wait_registered(front, 1)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(front)
+        specs = [p.JobSpec(i, roles.SAMPLING, roles.PROMPT) for i in ids]
+        sock.send_multipart(codec.encode(p.SUBMIT, specs[:BATCH]))
+        for spec in specs[BATCH:]:
+            sock.send_multipart(codec.encode(p.SUBMIT, [spec]))
+        decoder, deadline = codec.Decoder(codec.TO_CLIENT), time.monotonic() + 20
+        while len(answered) + len(refused) < len(ids) and time.monotonic() < deadline:
+            if sock.poll(200):
+                msg = decoder.decode(sock.recv_multipart())
+                if msg.command == p.FINAL:
+                    answered.update(r.key for r in msg.body)
+                elif msg.command in (p.ERROR, p.BUSY):
+                    refused += [f"{e.key}: {e.code}: {e.message}" for e in msg.body]
+        sock.send_multipart(codec.encode(p.DISCONNECT))
+    finally:
+        if sock is not None:
+            sock.close()
+        g.close()
+    if refused or answered != set(ids):
+        raise RuntimeError(
+            f"the {tree.label} broker ({tree.describe}) does not serve this checkout's clients and workers: "
+            f"{len(answered & set(ids))}/{len(ids)} jobs answered, refused: {refused[:3]}; wire differences: "
+            f"{wire_differences(tree.wire, clients) or 'none'}"
+        )
+    diff = wire_differences(tree.wire, clients)
+    wire = f"wire schema differs from the clients' in {', '.join(diff)}" if diff else "wire identical to the clients'"
+    return f"{tree.label}: protocol {tree.wire['signature']}, {wire}, {len(answered)}/{len(ids)} check jobs answered"
+
+
+def comparison_setups() -> list[Setup]:
+    """The broker cases of the full run (and the library's); not ``broker+curve``: a baseline
+    may predate CurveZMQ."""
+    return [
+        Setup("broker", c, w, b, win)
+        for c in (1, 8)
+        for w in (1, 8, 64)
+        for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
+    ] + [Setup("library", 1, 8, BATCH, BATCH_WINDOW)]
+
+
+def compare(args: argparse.Namespace) -> None:
+    """``--baseline-ref``: each broker case (and the broker latency path) with the broker of
+    ``before`` (the ref) and of ``after`` (this working tree, or ``--after-ref``), the same
+    clients and echo doubles (this checkout's) for both, ``--repeats`` pairs of runs back to
+    back in alternating order (before-after, after-before, ...), so that drift on a shared
+    machine hits both alike; medians reported."""
+    started, load0 = time.monotonic(), os.getloadavg()
+    os.environ.pop(roles.CURVE_ENV, None)
+    with contextlib.ExitStack() as stack:
+        path, sha = stack.enter_context(worktree(args.baseline_ref))
+        before = Tree("before", path, f"{args.baseline_ref} = {sha[:9]} (a git worktree)")
+        if args.after_ref:
+            path, sha = stack.enter_context(worktree(args.after_ref))
+            after = Tree("after", path, f"{args.after_ref} = {sha[:9]} (a git worktree)")
+        else:
+            after = Tree("after", str(REPO), f"this working tree, at HEAD {_git('rev-parse', '--short=9', 'HEAD')}")
+        clients = roles.wire_fingerprint()
+        checks = [check_protocol(tree, args, clients) for tree in (before, after)]
+        if not args.after_ref:  # say which files the after broker imported are not as in HEAD
+            changed = [line[3:] for line in _git("status", "--porcelain", "--", "broker", "zmq_rollout").splitlines()]
+            dirty = [f for f in after.files if any(f == c or (c.endswith("/") and f.startswith(c)) for c in changed)]
+            if dirty:
+                after.describe += f", with uncommitted changes to {', '.join(dirty)} (others' work in progress?)"
+        for line in checks:
+            print(f"  {line}", flush=True)
+
+        def pairs(r: int) -> tuple[Tree, Tree]:
+            return (before, after) if r % 2 == 0 else (after, before)
+
+        scheduler: dict[str, list[float]] = {"before": [], "after": []}
+        if selected(args, "scheduler"):
+            for r in range(args.repeats):
+                for tree in pairs(r):
+                    scheduler[tree.label].append(run_tree_scheduler(tree, args))
+                print(
+                    f"  scheduler alone pair {r + 1}/{args.repeats}: before {scheduler['before'][-1]:.2f}, "
+                    f"after {scheduler['after'][-1]:.2f} us CPU per job",
+                    flush=True,
+                )
+        latency: dict[str, list[dict[str, float]]] = {"direct": [], "before": [], "after": []}
+        if selected(args, "latency"):
+            for r in range(args.repeats):
+                for tree in (None, *pairs(r)):
+                    samples = run_latency("direct" if tree is None else "broker", args, tree)
+                    lat = {"p50": percentile_us(samples, 0.5), "p99": percentile_us(samples, 0.99)}
+                    latency["direct" if tree is None else tree.label].append(lat)
+                print(
+                    f"  latency pair {r + 1}/{args.repeats}: broker p50 before {latency['before'][-1]['p50']:.1f} us, "
+                    f"after {latency['after'][-1]['p50']:.1f} us (direct {latency['direct'][-1]['p50']:.1f} us)",
+                    flush=True,
+                )
+        cases = []
+        for setup in comparison_setups():
+            if not selected(args, setup.name):
+                continue
+            runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+            for r in range(args.repeats):
+                for tree in pairs(r):
+                    runs[tree.label].append(run_throughput(setup, args, tree=tree))
+                print(
+                    f"  {setup.name:<40} pair {r + 1}/{args.repeats}: before {runs['before'][-1]['jobs_per_s']:>8,} "
+                    f"after {runs['after'][-1]['jobs_per_s']:>8,} jobs/s",
+                    flush=True,
+                )
+            cases.append({"case": setup.name, **runs})
+    meta = {
+        "before": before.describe,
+        "after": after.describe,
+        "checks": checks,
+        "load_avg_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
+    }
+    report_comparison(cases, latency, scheduler, meta, args, time.monotonic() - started)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short windows for a CI smoke run (under a minute)")
@@ -309,7 +610,12 @@ def main() -> None:
     ap.add_argument("--latency-count", type=int, help="round trips per latency path (default 5000, quick 500)")
     ap.add_argument("--credits", type=int, default=64, help="credits per echo double (vLLM max_num_seqs)")
     ap.add_argument("--worker-procs", type=int, default=2, help="processes the worker threads are spread over")
-    ap.add_argument("--only", default="", help="run only the cases whose name contains this text")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="run only the cases whose name contains this text, or one of these texts, comma-separated "
+        "('latency' runs the latency paths; with --baseline-ref, 'scheduler' the in-process scheduler)",
+    )
     ap.add_argument(
         "--profile",
         nargs="?",
@@ -325,7 +631,23 @@ def main() -> None:
         help="auto: py-spy when it is on PATH, else cProfile",
     )
     ap.add_argument("--profile-out", default="broker-profile", help="profile data path (no suffix)")
+    ap.add_argument(
+        "--baseline-ref",
+        metavar="REF",
+        help="measure the broker cases with the broker of commit REF (a temporary git worktree) and with "
+        "this one, interleaved; same clients and echo doubles (this checkout's) for both",
+    )
+    ap.add_argument(
+        "--after-ref",
+        metavar="REF",
+        help="with --baseline-ref: the 'after' broker is commit REF's (a worktree) instead of this working tree",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="with --baseline-ref: before/after pairs per case (median)")
     args = ap.parse_args()
+    if args.after_ref and not args.baseline_ref:
+        ap.error("--after-ref needs --baseline-ref")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     args.keys_dir = tempfile.mkdtemp(prefix="zr-bench-keys-")
     args.duration = args.duration or (1.0 if args.quick else 5.0)
     args.warmup = args.warmup if args.warmup is not None else (0.25 if args.quick else 1.0)
@@ -334,9 +656,12 @@ def main() -> None:
     if args.profile:
         profile(args)
         return
+    if args.baseline_ref:
+        compare(args)
+        return
     started = time.monotonic()
     latency: dict[str, list[int]] = {}
-    for path in LATENCY_PATHS if "latency" in args.only or not args.only else ():
+    for path in LATENCY_PATHS if selected(args, "latency") else ():
         latency[path] = run_latency(path, args)
         print(f"  latency {path:<10} p50 {percentile_us(latency[path], 0.5):7.1f} us", flush=True)
     setups = [
@@ -353,7 +678,7 @@ def main() -> None:
     setups += [Setup("http", 1, 0, 1, 64), Setup("http", 1, 0, BATCH, 64)]
     rows = []
     for setup in setups:
-        if args.only and args.only not in setup.name:
+        if not selected(args, setup.name):
             continue
         rows.append(run_throughput(setup, args))
         print(f"  {rows[-1]['case']:<40} {rows[-1]['jobs_per_s']:>10,} jobs/s", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from typing import Any
 
 BATCH = 64  # jobs per message in the batched cases
@@ -184,6 +185,131 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         "proxy_added_latency_us": proxy_added,
         "ratios": ratios,
         "goals": goals,
+        "elapsed_s": round(elapsed, 1),
+    }
+    print("RESULT " + json.dumps(result, separators=(",", ":")))
+
+
+# -- --baseline-ref --------------------------------------------------------------------------
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _cmp(before: list[float], after: list[float]) -> dict[str, Any]:
+    """Medians of both sides, their ratio, and the lowest and highest ratio of single pairs."""
+    b, a = _median(before), _median(after)
+    # A difference of percentiles (broker-added) can come out negative on a loaded machine: no ratio then.
+    pairs = [y / x for x, y in zip(before, after, strict=True) if x > 0 and y > 0]
+    return {
+        "before": round(b, 2),
+        "after": round(a, 2),
+        "ratio": round(a / b, 3) if a > 0 and b > 0 else None,
+        "pair_ratios": [round(r, 3) for r in pairs],
+        "before_runs": before,
+        "after_runs": after,
+    }
+
+
+def _range(c: dict[str, Any]) -> str:
+    r = c["pair_ratios"]
+    return f"{min(r):.2f}-{max(r):.2f}" if r else "n/a"
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def report_comparison(
+    cases: list[dict[str, Any]],
+    latency: dict[str, list[dict[str, float]]],
+    scheduler: dict[str, list[float]],
+    meta: dict[str, Any],
+    args: Any,
+    elapsed: float,
+) -> None:
+    """The ``--baseline-ref`` report: per case, before / after / after over before."""
+    print()
+    print(
+        f"machine: {os.cpu_count()} cores ({_cpu_model()}), Python {platform.python_version()}; mode: "
+        f"{'quick' if args.quick else 'default'} ({args.warmup} s warm-up + {args.duration} s measured per run, "
+        f"{args.latency_count} round trips per latency run); total {elapsed:.0f} s; 1-minute load average "
+        f"{meta['load_avg_1m'][0]} at the start, {meta['load_avg_1m'][1]} at the end"
+    )
+    print(f"before: {meta['before']}\nafter:  {meta['after']}")
+    for line in meta["checks"]:
+        print(f"  {line}")
+    print(
+        f"Each case ran {args.repeats} times as a pair (before and after back to back, alternating which goes "
+        "first), with the same clients and EchoWorkerDouble workers (this checkout's) for both; figures are "
+        "medians over the pairs, after/before is median over median, 'pairs' the lowest and highest ratio "
+        "of single pairs (the noise)."
+    )
+    out: dict[str, Any] = {"cases": [], "latency_us": {}, "scheduler_us_per_job": None}
+    if scheduler.get("before"):
+        c = out["scheduler_us_per_job"] = _cmp(scheduler["before"], scheduler["after"])
+        print(
+            "\nscheduler alone, in process (no sockets): SUBMIT of 64 decoded, submit + dispatch, FINAL decoded, "
+            "worker_final;\nus of CPU per job, the best of several samples per run (descheduled time not counted)"
+        )
+        print(f"{'':<22} {'before':>9} {'after':>9} {'after/before':>12} {'pairs':>10}")
+        print(f"{'us per job':<22} {c['before']:>9.2f} {c['after']:>9.2f} {_x(c['ratio']):>12} {_range(c):>10}")
+    if cases:
+        head = (f"{'case':<40} {'jobs/s before':>13} {'after':>9} {'after/before':>12} {'pairs':>10}"
+                f"  {'broker us/job before':>20} {'after':>7} {'ratio':>6}  {'other':>5}  errors")  # fmt: skip
+        print("\nthroughput (jobs/s; broker us/job = the broker's CPU time per completed job)")
+        print(head)
+        print("-" * len(head))
+        for case in cases:
+            runs = case["before"] + case["after"]
+            jobs = _cmp([r["jobs_per_s"] for r in case["before"]], [r["jobs_per_s"] for r in case["after"]])
+            us = _cmp(
+                [r["server_cpu_us_per_job"] for r in case["before"]],
+                [r["server_cpu_us_per_job"] for r in case["after"]],
+            )
+            other = _median([r["cpu_cores"]["other"] for r in runs])
+            errors = sum(r["errors"] for r in runs)
+            print(
+                f"{case['case']:<40} {jobs['before']:>13,.0f} {jobs['after']:>9,.0f} {_x(jobs['ratio']):>12} "
+                f"{_range(jobs):>10}  {us['before']:>20.2f} {us['after']:>7.2f} {_x(us['ratio']):>6}  "
+                f"{other:>5.2f}  {errors}"
+            )
+            out["cases"].append(
+                {"case": case["case"], "jobs_per_s": jobs, "server_cpu_us_per_job": us, "other_cores": other}
+                | {"errors": errors}
+            )
+        print(
+            "other: CPU cores used by processes outside this benchmark while measured (median of the case's "
+            "runs; above ~0.2 every figure is lower and noisier on a 2-core machine)."
+        )
+        busy = sum(r["cpu_cores"]["other"] > 0.2 for c in cases for r in c["before"] + c["after"])
+        total = sum(len(c["before"]) + len(c["after"]) for c in cases)
+        if busy:
+            print(f"WARNING: other load above 0.2 cores during {busy} of {total} runs: read the ratios with the pairs")
+    if latency.get("before"):
+        print("\nbroker round-trip latency, one job in flight (us; broker-added = broker path - direct path)")
+        print(f"{'':<22} {'before':>9} {'after':>9} {'after/before':>12} {'pairs':>10}")
+        for q in ("p50", "p99"):
+            rows = {
+                f"broker path {q}": ([x[q] for x in latency["before"]], [x[q] for x in latency["after"]]),
+                f"broker-added {q}": (
+                    [x[q] - d[q] for x, d in zip(latency["before"], latency["direct"], strict=True)],
+                    [x[q] - d[q] for x, d in zip(latency["after"], latency["direct"], strict=True)],
+                ),
+            }
+            for name, (b, a) in rows.items():
+                c = _cmp(b, a)
+                out["latency_us"][name.replace(" ", "_")] = c
+                print(f"{name:<22} {c['before']:>9.1f} {c['after']:>9.1f} {_x(c['ratio']):>12} {_range(c):>10}")
+        direct = {q: _median([d[q] for d in latency["direct"]]) for q in ("p50", "p99")}
+        out["latency_us"]["direct"] = direct
+        print(f"{'direct path (no broker)':<22} p50 {direct['p50']:.1f}, p99 {direct['p99']:.1f} (median of the pairs)")
+    result = {
+        "mode": "baseline-ref " + ("quick" if args.quick else "default"),
+        "duration_s": args.duration,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        **meta,
+        **out,
         "elapsed_s": round(elapsed, 1),
     }
     print("RESULT " + json.dumps(result, separators=(",", ":")))

@@ -137,6 +137,168 @@ def broker(report: Any, tag: str, profile_path: str | None) -> None:
         profiler.dump_stats(profile_path)
 
 
+def wire_fingerprint() -> dict[str, Any]:
+    """The protocol as this interpreter's ``zmq_rollout`` speaks it: its signature (which
+    carries the protocol version, ``ZR1``) and, per direction and command, the JSON schema of
+    the body without docstrings. Self-contained: ``tree_broker`` runs its source too."""
+    import msgspec
+
+    from zmq_rollout import codec
+    from zmq_rollout import protocol as p
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "description"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    tables = {
+        name: {cmd.hex(): None if body is None else strip(msgspec.json.schema(body)) for cmd, body in table.items()}
+        for name in ("FROM_CLIENT", "TO_CLIENT", "FROM_WORKER", "TO_WORKER")
+        for table in (getattr(codec, name),)
+    }
+    return {"signature": p.SIGNATURE.decode(), "tables": tables}
+
+
+def use_tree(tree: str) -> None:
+    """Import ``zmq_rollout`` from the source tree ``tree`` (a checkout of this repository) in
+    this fresh interpreter (``tree_command``: nothing of ``zmq_rollout`` is imported yet): an
+    import hook maps ``zmq_rollout`` and its ``broker``/``workers`` packages to the tree's
+    folders (the ``package-dir`` of its pyproject.toml) and refuses a ``zmq_rollout`` module
+    the tree lacks, rather than fall through to the installed (editable) package; everything
+    else (pyzmq, msgspec) comes from the venv. Also: ignore SIGINT (the parent owns Ctrl-C)
+    and die with the parent."""
+    import contextlib
+    import ctypes
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    import os
+    import signal
+    import sys
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    try:
+        import tomllib
+
+        with open(os.path.join(tree, "pyproject.toml"), "rb") as f:
+            package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    except ImportError:  # Python 3.10: the mapping every commit of this repository has had
+        package_dir = {"zmq_rollout": "zmq_rollout", "zmq_rollout.broker": "broker", "zmq_rollout.workers": "workers"}
+    roots = {name: os.path.join(tree, folder) for name, folder in package_dir.items()}
+
+    class TreeFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name in roots:
+                init = os.path.join(roots[name], "__init__.py")
+                return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[roots[name]])
+            if name.partition(".")[0] not in roots:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)  # path: the parent's, in the tree
+            if spec is None:
+                raise ModuleNotFoundError(f"no module named {name!r} in {tree}", name=name)
+            return spec
+
+    sys.meta_path.insert(0, TreeFinder())
+
+
+def tree_files() -> list[str]:
+    """The files of every ``zmq_rollout`` module imported in this interpreter."""
+    import sys
+
+    mine = [m for n, m in list(sys.modules.items()) if n.partition(".")[0] == "zmq_rollout"]
+    return sorted({m.__file__ for m in mine if getattr(m, "__file__", None)})
+
+
+def tree_broker(tree: str) -> None:
+    """The broker of the source tree ``tree`` (``use_tree``), in a fresh interpreter. Prints
+    one JSON line once it serves (addresses, ``wire_fingerprint()``, ``tree_files()``), then
+    runs ``Broker(BrokerConfig(...)).run()`` as ``broker`` does, until SIGTERM."""
+    import json
+    import logging
+    import signal
+
+    use_tree(tree)
+    logging.basicConfig(level=logging.WARNING, format="[broker %(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("zmq_rollout.broker.server").addFilter(  # the benchmark runs without keys, knowingly
+        lambda record: not str(record.msg).startswith("no CurveZMQ keys")
+    )
+
+    from zmq_rollout.broker.server import Broker
+    from zmq_rollout.config import BrokerConfig
+
+    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    signal.signal(signal.SIGTERM, lambda *_: b.stop())
+    wire = wire_fingerprint()
+    ready = {"frontend": b.frontend_address, "backend": b.backend_address, "wire": wire, "files": tree_files()}
+    print(json.dumps(ready), flush=True)
+    b.run()
+
+
+def tree_scheduler(tree: str, rounds: int, samples: int) -> None:
+    """The per-job CPU cost of the scheduler of ``tree`` (``use_tree``) alone, in process, no
+    sockets: one worker of 64 credits; per round one SUBMIT of 64 jobs decoded by the codec,
+    ``submit`` (dispatch included) and the outbox taken, then their FINAL (one 4-token
+    sample each, decoded as the broker decodes it) through ``worker_final``. Timed by this
+    thread's CPU time (``time.thread_time``: time spent descheduled does not count), around
+    the broker's part only (building the messages is not timed). Prints one JSON line: the
+    best of ``samples`` samples of ``rounds`` rounds, in us per job, every sample, the files."""
+    import gc
+    import json
+    import time
+
+    use_tree(tree)
+    from zmq_rollout import codec
+    from zmq_rollout import protocol as p
+    from zmq_rollout.broker.scheduler import Scheduler
+    from zmq_rollout.config import BrokerConfig
+
+    client, worker, batch = b"client", b"worker", 64
+    s = Scheduler(BrokerConfig())
+    s.worker_ready(worker, p.WorkerInfo("worker", "model", batch), 0.0)
+    s.outbox.take()
+    from_client, from_worker = codec.Decoder(codec.FROM_CLIENT), codec.Decoder(codec.FROM_WORKER)
+    sampling, sample = p.SamplingParams(max_tokens=16), p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
+    ids, now, per_job = iter(range(1 << 62)), 0.0, []
+    for _ in range(samples):
+        gc.collect()
+        spent = 0.0
+        for _ in range(rounds):
+            now += 0.001
+            submit = codec.encode(p.SUBMIT, [p.JobSpec(f"j{next(ids):x}", sampling, "x" * 100) for _ in range(batch)])
+            t0 = time.thread_time()
+            s.submit(client, from_client.decode(submit).body, now)
+            out = s.outbox.take()
+            t1 = time.thread_time()
+            tickets = [a.ticket for _, _, cmd, body in out if cmd == p.JOBS for a in body]
+            assert len(tickets) == batch, len(tickets)
+            final = codec.encode(p.FINAL, [p.Result(t, [1, 2, 3, 4], [sample], 0, "worker") for t in tickets])
+            t2 = time.thread_time()
+            s.worker_final(worker, from_worker.decode(final).body, now + 0.0005)
+            s.outbox.take()
+            spent += time.thread_time() - t2 + t1 - t0
+        per_job.append(spent / (rounds * batch) * 1e6)
+    assert s.stats.completed == samples * rounds * batch
+    print(json.dumps({"us_per_job": min(per_job), "samples": per_job, "files": tree_files()}), flush=True)
+
+
+def tree_command(tree: str, call: str) -> list[str]:
+    """``python -c`` running ``call`` (``tree_broker(...)`` or ``tree_scheduler(...)``) for the
+    tree ``tree``: the source of this module's tree functions, then the call. Isolated (``-I``:
+    no PYTHON* variables, no script or working folder on ``sys.path``)."""
+    import inspect
+    import sys
+
+    functions = (wire_fingerprint, use_tree, tree_files, tree_broker, tree_scheduler)
+    source = "\n\n".join(
+        ["from __future__ import annotations", "from typing import Any"]
+        + [inspect.getsource(fn) for fn in functions]
+        + [call]
+    )
+    return [sys.executable, "-I", "-c", source]
+
+
 @role
 def proxy(report: Any, tag: str) -> None:
     """libzmq's own forwarding: ``zmq.proxy`` from a ROUTER (clients) to a DEALER (workers)."""
