@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import parse_samples, poll_until
+from helpers import metric_name_problems, parse_samples, poll_until
 
 from zmq_rollout import protocol as p
 from zmq_rollout.gateway import GatewayConfig
@@ -279,6 +279,7 @@ def test_http_completions_chat_and_models(start_broker: Any, start_double: Any, 
     chat = sdk.chat.completions.create(model="echo-double", messages=[{"role": "user", "content": "hi"}], n=3)
     assert [c.index for c in chat.choices] == [0, 1, 2]
     assert chat.choices[0].message.role == "assistant"
+    assert metric_name_problems(httpx.get(f"{url}/metrics").text) == []
     assert requests_total(url) == {
         "zmq_rollout_gateway_requests_total{code=200,endpoint=/health}": 1,
         "zmq_rollout_gateway_requests_total{code=200,endpoint=/v1/models}": 1,
