@@ -15,12 +15,14 @@ import openai
 import pytest
 from helpers import metric_name_problems, parse_samples, poll_until
 
+from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.gateway import GatewayConfig
 from zmq_rollout.gateway import responses as out
 from zmq_rollout.gateway.openai_protocol import OpenAIError, parse_chat, parse_completion
 from zmq_rollout.gateway.streaming import ChunkBuilder, StreamBroken
 from zmq_rollout.rollouts import Rollout, TokenDelta
+from zmq_rollout.testing import EchoWorkerDouble
 
 
 def body(**fields: Any) -> bytes:
@@ -390,3 +392,33 @@ def test_the_gateway_is_light() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class StreamingDouble(EchoWorkerDouble):
+    """Sends the first two tokens of every job, then holds it (until cancelled)."""
+
+    def _handle(self, ctx: Any, sock: Any, msg: Any) -> Any:
+        if msg.command == p.JOBS:
+            self.received.extend(msg.body)
+            self.held.extend(msg.body)
+            deltas = [p.Delta(a.ticket, 0, [11, 12], [-0.25, -0.5]) for a in msg.body]
+            sock.send_multipart(codec.encode(p.PARTIAL, deltas))
+            return sock
+        return super()._handle(ctx, sock, msg)
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_its_jobs(start_broker: Any, start_gateway: Any) -> None:
+    broker = start_broker()
+    double = StreamingDouble(broker.backend, heartbeat=0.05).start()
+    try:
+        poll_until(lambda: broker.has_worker(double.name), what="the double to register")
+        url = start_gateway(broker.frontend)
+        payload = {"prompt": "hello", "stream": True, "return_token_ids": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=payload) as response:
+            first = next(response.iter_lines())
+            assert json.loads(first.removeprefix("data: "))["choices"][0]["token_ids"] == [11, 12]
+        poll_until(lambda: double.cancelled, what="the job to be cancelled on the worker")
+        assert double.cancelled == [double.received[0].ticket]
+        poll_until(lambda: broker.jobs("cancelled") == 1, what="the broker to count the cancel")
+    finally:
+        double.stop()

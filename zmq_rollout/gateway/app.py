@@ -91,7 +91,8 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
 
 class _EventStream(StreamingResponse):
     """Server-sent events that stop, closing their generator (which cancels the jobs), as soon
-    as the HTTP client goes away, whether or not a chunk is on its way."""
+    as the HTTP client goes away, whether or not a chunk is on its way: under any ASGI server
+    (Starlette listens for the disconnect itself only below ASGI spec 2.4)."""
 
     def __init__(self, body: AsyncIterator[bytes]) -> None:
         super().__init__(body, media_type="text/event-stream")
@@ -107,6 +108,8 @@ class _EventStream(StreamingResponse):
                 task.cancel()
             await asyncio.gather(streaming, gone, return_exceptions=True)
             await self._body.aclose()  # type: ignore[attr-defined]
+        if not streaming.cancelled() and streaming.exception() is not None:
+            log.warning("a stream ended with %r", streaming.exception())
 
 
 class _Merged:
