@@ -1,37 +1,33 @@
-"""The trainer-side client, ``AsyncRolloutClient``: one DEALER to the broker, asyncio.
+"""The trainer-side client, ``AsyncRolloutClient``: jobs, status and weight-sync steps, asyncio.
 
     async with AsyncRolloutClient("tcp://127.0.0.1:5555") as client:
         rollouts = await client.generate(["2+2="], SamplingParams(n=4, max_tokens=8))
 
-``zmq_rollout.blocking.RolloutClient`` is the same client for code without an event loop.
+``zmq_rollout.blocking.RolloutClient`` is the same client for code without an event loop. Its
+socket, heartbeats and what it knows of the broker are its ``Connection`` (``connection.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import math
 import os
-import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
-import zmq
-import zmq.asyncio
 
-from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.config import ClientConfig
-from zmq_rollout.curve import HANDSHAKE_EVENTS, PeerKeys, handshake_failure, monitor_socket, refusal
+from zmq_rollout.connection import Connection, Handlers
+from zmq_rollout.curve import PeerKeys
 from zmq_rollout.errors import (
     AuthenticationError,
-    BrokerUnavailableError,
     ClientClosedError,
     InvalidRequestError,
     RolloutError,
@@ -39,7 +35,6 @@ from zmq_rollout.errors import (
     SyncError,
     error_from_code,
 )
-from zmq_rollout.liveness import BrokerState, BrokerWatch
 from zmq_rollout.rollouts import Prompt, Rollout, StreamRestarted, TokenDelta, make_job, to_rollouts
 from zmq_rollout.submissions import Unanswered, pack_submits
 from zmq_rollout.sync_methods import WeightSyncMethods
@@ -99,44 +94,27 @@ class AsyncRolloutClient(WeightSyncMethods):
         **overrides: Any,
     ) -> None:
         self.config = _config(address, config, overrides)
-        self._curve = curve or PeerKeys.from_files(
-            self.config.curve_server_key, self.config.curve_secret_key, "ClientConfig"
-        )
-        self._refused: str | None = None  # why the broker refuses our handshake, while it does
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
+        keys = curve or PeerKeys.from_files(self.config.curve_server_key, self.config.curve_secret_key, "ClientConfig")
         self._pending: dict[str, _Pending] = {}
         self._status_waiters: list[asyncio.Future[p.StatusReply]] = []
         self._sync_waiters: list[asyncio.Future[p.SyncReply]] = []  # each a _StepReply
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}{uuid.uuid4().hex[:6]}-"
-        self._tasks: list[asyncio.Task[None]] = []
-        self._closed = False
-        self._decoder = codec.Decoder(codec.TO_CLIENT)
         self._unanswered = Unanswered()
-        cfg = self.config
-        self._watch = BrokerWatch(
-            cfg.heartbeat_interval_s * cfg.broker_liveness, cfg.broker_timeout_s, time.monotonic()
-        )
         self.identity = f"{self.config.name or 'client'}-{uuid.uuid4().hex[:8]}"
         """This client's name at the broker (its ZeroMQ identity), as status lists it."""
         self.transport: WeightTransport | None = None
+        handlers = Handlers(
+            message=self._dispatch,
+            restarted=self._broker_restarted,
+            lost=self._broker_lost,
+            gone=self._broker_gone,
+            refused=self._refused,
+        )
+        self._conn = Connection(self.config, keys, self.identity, handlers)
 
     async def connect(self) -> AsyncRolloutClient:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.identity.encode())
-            if self._curve is not None:
-                self._curve.apply(sock)
-            monitor = monitor_socket(sock, HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            sock.connect(self.config.address)
-            self._sock = sock
-            self._tasks = [
-                asyncio.ensure_future(self._receive()),
-                asyncio.ensure_future(self._heartbeat()),
-                asyncio.ensure_future(self._handshakes(monitor)),
-            ]
+        self._conn.open()
         return self
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -149,26 +127,12 @@ class AsyncRolloutClient(WeightSyncMethods):
     def _new_id(self) -> str:
         return f"{self._prefix}{next(self._ids):x}"
 
-    async def _send(self, command: bytes, body: Any, flags: int = 0) -> None:
-        if self._closed:
-            raise ClientClosedError("the client is closed")
-        await self.connect()
-        assert self._sock is not None
-        if self._refused is not None and command in (p.SUBMIT, p.STATUS, p.SYNC):
-            raise AuthenticationError(self._refused)
-        try:
-            await self._sock.send_multipart(codec.encode(command, body), flags, copy=False)
-        except zmq.Again:  # NOBLOCK and no connection to queue it on (a refused handshake)
-            return
-        except zmq.ZMQError as exc:  # the socket or its context is gone: the client cannot go on
-            raise ClientClosedError(f"the client's connection to {self.config.address} failed: {exc}") from exc
-
     async def submit_jobs(self, jobs: list[p.JobSpec], *, stream: bool = False) -> list[_Pending]:
         """Send validated jobs (in batches of ``batch_size`` per message); futures per job."""
         loop = asyncio.get_running_loop()
         handles = []
-        if self._watch.gone:
-            raise self._unavailable()
+        if self._conn.watch.gone:
+            raise self._conn.unavailable()
         for job in jobs:
             if job.job_id in self._pending:
                 raise InvalidRequestError(f"job id {job.job_id!r} is already in flight", job_id=job.job_id)
@@ -177,10 +141,27 @@ class AsyncRolloutClient(WeightSyncMethods):
             handle = _Pending(job, loop.create_future(), asyncio.Queue() if stream else None)
             self._pending[job.job_id] = handle
             handles.append(handle)
-        for ids, encoded in messages:
-            self._unanswered.sent(ids)
-            await self._send(p.SUBMIT, encoded)
+        sent: list[str] = []
+        try:
+            for ids, encoded in messages:
+                await self._conn.send(p.SUBMIT, encoded)
+                self._unanswered.sent(ids)
+                sent.extend(ids)
+        except BaseException:
+            self._abandon(handles, sent)
+            raise
         return handles
+
+    def _abandon(self, handles: list[_Pending], sent: list[str]) -> None:
+        """A call whose SUBMIT failed raises that error: its jobs are forgotten, and those
+        already sent cancelled (best effort)."""
+        for handle in handles:
+            if self._pending.get(handle.job.job_id) is handle:
+                del self._pending[handle.job.job_id]
+            if not handle.future.cancel() and not handle.future.cancelled():
+                handle.future.exception()  # failed meanwhile (refused, gone): the call's error says it
+        if sent:
+            self._conn.send_now(p.CANCEL, sent)
 
     async def submit(
         self,
@@ -263,16 +244,15 @@ class AsyncRolloutClient(WeightSyncMethods):
     async def cancel(self, job_ids: Sequence[str]) -> None:
         """Cancel jobs: queued ones are dropped, running ones aborted on their workers."""
         ids = [j for j in job_ids if j in self._pending]
-        if ids and not self._closed:
-            await self._send(p.CANCEL, ids)
+        if ids and not self._conn.closed:
+            await self._conn.send(p.CANCEL, ids)
 
     async def status(self) -> p.StatusReply:
         """Workers, queue depths and weight versions, as the broker sees them."""
         future: asyncio.Future[p.StatusReply] = asyncio.get_running_loop().create_future()
         self._status_waiters.append(future)
-        await self._send(p.STATUS, None)
         try:
-            return await asyncio.wait_for(future, self.config.request_timeout_s)
+            return await self._ask(p.STATUS, None, future, self.config.request_timeout_s)
         except asyncio.TimeoutError:
             raise RolloutTimeoutError(
                 f"the broker at {self.config.address} did not answer STATUS within "
@@ -287,16 +267,15 @@ class AsyncRolloutClient(WeightSyncMethods):
         """One step of a weight-sync round (``zmq_rollout.weight_sync`` drives them). While the
         broker is lost it fails at once: no round lives through that (an abort still goes out,
         for a broker that comes back)."""
-        if self._watch.lost_since is not None:
+        if self._conn.watch.lost_since is not None:
             if isinstance(step.op, p.Abort):
-                await self._send(p.SYNC, step)
+                self._conn.send_now(p.SYNC, step)
             raise SyncError(f"the broker at {self.config.address} is not answering")
         future = _StepReply(step)
         self._sync_waiters.append(future)
-        await self._send(p.SYNC, step)
         limit = step.timeout_s + self.config.request_timeout_s
         try:
-            return await asyncio.wait_for(future, limit)
+            return await self._ask(p.SYNC, step, future, limit)
         except asyncio.TimeoutError:
             raise RolloutTimeoutError(
                 f"the broker did not answer sync step {step.op.kind!r} within {limit} s "
@@ -306,51 +285,35 @@ class AsyncRolloutClient(WeightSyncMethods):
             if future in self._sync_waiters:
                 self._sync_waiters.remove(future)
 
-    # -- background ------------------------------------------------------------------------
-    async def _heartbeat(self) -> None:
-        while True:  # the first at once: the broker's epoch is then known before any restart
-            await self._send(p.HEARTBEAT, None, zmq.NOBLOCK)  # never stuck: liveness is checked below
-            state = self._watch.check(time.monotonic())
-            if state is BrokerState.LOST:
-                self._broker_lost()
-            elif state is BrokerState.GONE:
-                await self._broker_gone()
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+    async def _ask(self, command: bytes, body: Any, reply: asyncio.Future[T], limit: float) -> T:
+        """Send a request and await its reply, both within ``limit`` s (else TimeoutError)."""
 
-    async def _receive(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            if self._watch.heard(time.monotonic()):
-                log.info("broker at %s answers again", self.config.address)
-            try:
-                msg = self._decoder.decode([f.buffer for f in frames])
-            except RolloutError:
-                continue  # a broker of another version; nothing to attribute it to
-            if msg.command == p.HEARTBEAT:
-                await self._liveness(msg.body)
-            self._dispatch(msg.command, msg.body)
+        async def ask() -> T:
+            await self._conn.send(command, body)
+            return await reply
 
-    # -- the broker lost, gone, back -------------------------------------------------------
-    async def _liveness(self, beat: p.Liveness | None) -> None:
-        """A heartbeat reply. From a restarted broker, or one that forgot this client: the sync
+        return await asyncio.wait_for(ask(), limit)
+
+    # -- the broker restarted, lost, gone, refusing us (the connection's Handlers) ------------
+    async def _broker_restarted(self) -> None:
+        """A heartbeat reply from a restarted broker, or one that forgot this client: the sync
         step in flight fails (its round is gone), and unfinished jobs are sent again."""
-        if self._watch.liveness(beat):
-            self._fail_steps(f"the broker at {self.config.address} restarted (or forgot this client) mid-round")
-            await self._resubmit()
+        self._fail_steps(f"the broker at {self.config.address} restarted (or forgot this client) mid-round")
+        await self._resubmit()
 
     def _broker_lost(self) -> None:
         """No word for the expiry: jobs wait for it (ZeroMQ reconnects by itself), a sync step
         fails now (its round died with the broker, or will be aborted)."""
-        log.warning("broker at %s silent for %.1f s; waiting for it", self.config.address, self._watch.expiry_s)
         self._fail_steps(f"the broker at {self.config.address} stopped answering mid-round")
 
     def _fail_steps(self, why: str) -> None:
-        """The sync steps in flight will get no answer: their round is gone with the broker."""
+        """The sync steps in flight will get no answer: their round is gone with the broker.
+        A step still waiting to go out never goes."""
         waiters, self._sync_waiters = self._sync_waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(SyncError(why))
+        self._conn.fail_waiting(lambda: SyncError(why), p.SYNC)
 
     def _sync_reply(self, reply: p.SyncReply) -> None:
         waiter = next(
@@ -364,25 +327,22 @@ class AsyncRolloutClient(WeightSyncMethods):
             # travelled, and another took it): nobody drives it, and it would hold its workers
             # paused until round_idle_timeout_s. Abort it.
             log.warning("aborting sync round %d: its begin came back after the step had failed", reply.round_id)
-            task = asyncio.ensure_future(self._send(p.SYNC, p.SyncStep(reply.round_id, p.Abort())))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a closed client: nothing to abort
-            self._tasks.append(task)
+            self._conn.send_now(p.SYNC, p.SyncStep(reply.round_id, p.Abort()))  # else it ends at round_idle_timeout_s
 
-    def _unavailable(self) -> BrokerUnavailableError:
-        return BrokerUnavailableError(
-            f"the broker at {self.config.address} has not answered for {self.config.broker_timeout_s} s "
-            "(ClientConfig.broker_timeout_s)"
-        )
-
-    async def _broker_gone(self) -> None:
+    def _broker_gone(self) -> None:
         """Lost for broker_timeout_s: every pending call fails (and its jobs are cancelled, in
         case the broker comes back with them)."""
-        handles = self._fail_pending(self._unavailable)
-        if handles:
-            with contextlib.suppress(RolloutError):
-                await self._send(p.CANCEL, handles)
+        ids = self._fail_pending(self._conn.unavailable)
+        if ids:
+            self._conn.send_now(p.CANCEL, ids)
 
-    def _fail_pending(self, error: Any) -> list[str]:
+    def _refused(self, why: str) -> None:
+        """The broker refuses our CurveZMQ handshake: every pending call fails with
+        AuthenticationError, and every new one, until a handshake succeeds."""
+        self._fail_pending(lambda: AuthenticationError(why))
+        self._fail_waiters(lambda: AuthenticationError(why))
+
+    def _fail_pending(self, error: Callable[[], RolloutError]) -> list[str]:
         """Fail every pending job with a fresh ``error()``; returns their ids."""
         handles, self._pending = self._pending, {}
         for jid, handle in handles.items():
@@ -394,28 +354,12 @@ class AsyncRolloutClient(WeightSyncMethods):
                 handle.future.set_exception(exc)
         return list(handles)
 
-    async def _handshakes(self, monitor: zmq.asyncio.Socket) -> None:
-        """The broker refuses our CurveZMQ handshake (a key not allowed, a wrong broker key, or
-        no keys for a broker that needs them): every pending and new call fails with
-        AuthenticationError, until a handshake succeeds."""
-        from zmq.utils.monitor import parse_monitor_message
-
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                reason = handshake_failure(event)
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._refused = None
-                elif reason is not None and self._refused is None:
-                    self._refused = why = refusal(reason, self.config.address, self._curve is not None)
-                    log.error("%s", why)
-                    self._fail_pending(functools.partial(AuthenticationError, why))
-                    waiters: list[asyncio.Future[Any]] = [*self._sync_waiters, *self._status_waiters]
-                    for waiter in waiters:
-                        if not waiter.done():
-                            waiter.set_exception(AuthenticationError(why))
-        finally:
-            monitor.close(linger=0)
+    def _fail_waiters(self, error: Callable[[], RolloutError]) -> None:
+        """Fail every status and sync step awaiting its reply with a fresh ``error()``."""
+        waiters: list[asyncio.Future[Any]] = [*self._sync_waiters, *self._status_waiters]
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error())
 
     async def _resubmit(self) -> None:
         """The broker restarted (or forgot us): send every unfinished job again, same ids."""
@@ -428,8 +372,8 @@ class AsyncRolloutClient(WeightSyncMethods):
             if stream is not None:
                 stream.put_nowait(StreamRestarted(job.job_id))
         for ids, encoded in pack_submits(jobs, self.config.batch_size, self.config.max_message_bytes):
+            await self._conn.send(p.SUBMIT, encoded)
             self._unanswered.sent(ids)
-            await self._send(p.SUBMIT, encoded)
 
     def _dispatch(self, command: bytes, body: Any) -> None:
         pending, unanswered = self._pending, self._unanswered
@@ -472,22 +416,18 @@ class AsyncRolloutClient(WeightSyncMethods):
                 waiter.set_result(body)
 
     async def close(self) -> None:
-        if self._closed:
+        """Fail every pending call with ClientClosedError, say DISCONNECT (best effort), close
+        the socket and the weight-sync transport. Returns at once, whatever the broker does."""
+        if self._conn.closed:
             return
-        if self._sock is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._sock.send_multipart(codec.encode(p.DISCONNECT, None), zmq.NOBLOCK)
-        self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for jid, handle in list(self._pending.items()):
-            if not handle.future.done():
-                handle.future.set_exception(ClientClosedError("the client was closed", job_id=jid))
+        await self._conn.close()
+        closed = functools.partial(ClientClosedError, "the client was closed")
+        pending = list(self._pending.values())
+        self._fail_pending(closed)
+        for handle in pending:
+            if not handle.future.cancelled():
                 handle.future.exception()  # mark retrieved: nobody may be waiting any more
-        self._pending.clear()
+        self._fail_waiters(closed)
         if self.transport is not None:
             self.transport.close()
             self.transport = None
-        if self._sock is not None:
-            self._sock.close(linger=0)

@@ -19,7 +19,7 @@
 
 Errors that cross the wire carry a ``code`` (a short string, see ``ErrorCode``); the
 client turns each code into exactly one class here, in ``error_from_code``. ZeroMQ
-errors are translated in exactly one place too: ``AsyncRolloutClient._send`` (ZeroMQ) and
+errors are translated in exactly one place too: ``Connection._try`` (the client's sends) and
 ``zmq_rollout.weight_sync.update`` (the data plane).
 """
 

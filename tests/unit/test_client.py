@@ -317,6 +317,32 @@ def test_async_close_fails_pending_calls(start_broker: Any, start_double: Any) -
     asyncio.run(main())
 
 
+def test_async_close_fails_a_pending_sync_step_and_status(raw_socket: Any) -> None:
+    """A broker that takes SYNC and STATUS and never answers: close() fails both calls at
+    once, not at their timeouts (a minute here)."""
+    fake_broker = raw_socket(zmq.ROUTER)
+    fake_broker.bind("tcp://127.0.0.1:*")
+    seen: set[bytes] = set()
+
+    def received(*commands: bytes) -> bool:
+        while fake_broker.poll(0):
+            seen.add(fake_broker.recv_multipart()[2])
+        return seen.issuperset(commands)
+
+    async def main() -> None:
+        address = fake_broker.getsockopt_string(zmq.LAST_ENDPOINT)
+        client = await AsyncRolloutClient(address, request_timeout_s=60).connect()
+        step = asyncio.ensure_future(client.sync_step(p.SyncStep(0, p.Begin(), timeout_s=60)))
+        status = asyncio.ensure_future(client.status())
+        await async_wait_until(lambda: received(p.SYNC, p.STATUS), what="the step and STATUS to reach the broker")
+        await asyncio.wait_for(client.close(), 2)
+        for call in (step, status):
+            with pytest.raises(ClientClosedError):
+                await asyncio.wait_for(call, 2)
+
+    asyncio.run(main())
+
+
 def test_blocking_close_fails_pending_futures(start_broker: Any, start_double: Any, wait_until: Any) -> None:
     """Repeated, with fresh clients, because whether a pending call is settled before the
     client's loop stops is a race: every one of them must end in ClientClosedError."""
