@@ -18,6 +18,7 @@ from typing import Any
 from zmq_rollout import protocol as p
 from zmq_rollout.client import AsyncRolloutClient
 from zmq_rollout.config import ClientConfig
+from zmq_rollout.episodes import Trajectory
 from zmq_rollout.errors import ClientClosedError
 from zmq_rollout.rollouts import Prompt, Rollout, TokenDelta
 from zmq_rollout.weight_sync import SyncReport, WeightTransport
@@ -125,6 +126,12 @@ class RolloutClient:
 
     def status(self) -> p.StatusReply:
         return self._call(self._async.status())
+
+    def run_episodes(
+        self, env: Any, samples: Sequence[Any], sampling: p.SamplingParams | None = None, **kwargs: Any
+    ) -> list[Trajectory]:
+        """See ``AsyncRolloutClient.run_episodes`` (docs/multi_turn.md)."""
+        return self._call(self._async.run_episodes(env, samples, sampling, **kwargs))
 
     def update_weights(self, source: Any, **kwargs: Any) -> SyncReport:
         """See ``AsyncRolloutClient.update_weights``."""

@@ -22,10 +22,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from zmq_rollout import environments
 from zmq_rollout import protocol as p
 from zmq_rollout.config import ClientConfig
 from zmq_rollout.connection import Connection, Handlers
 from zmq_rollout.curve import PeerKeys
+from zmq_rollout.episodes import Trajectory, run_episodes
 from zmq_rollout.errors import (
     AuthenticationError,
     ClientClosedError,
@@ -248,11 +250,14 @@ class AsyncRolloutClient(WeightSyncMethods):
             await self._conn.send(p.CANCEL, ids)
 
     async def status(self) -> p.StatusReply:
-        """Workers, queue depths and weight versions, as the broker sees them."""
+        """Workers (with their capabilities), queue depths and weight versions, as the broker
+        sees them; and the multi-turn environments this process can build."""
         future: asyncio.Future[p.StatusReply] = asyncio.get_running_loop().create_future()
         self._status_waiters.append(future)
         try:
-            return await self._ask(p.STATUS, None, future, self.config.request_timeout_s)
+            reply: p.StatusReply = await self._ask(p.STATUS, None, future, self.config.request_timeout_s)
+            reply.environments = environments.available()  # what run_episodes can build here
+            return reply
         except asyncio.TimeoutError:
             raise RolloutTimeoutError(
                 f"the broker at {self.config.address} did not answer STATUS within "
@@ -261,6 +266,13 @@ class AsyncRolloutClient(WeightSyncMethods):
         finally:
             if future in self._status_waiters:
                 self._status_waiters.remove(future)
+
+    async def run_episodes(
+        self, env: Any, samples: Sequence[Any], sampling: p.SamplingParams | None = None, **kwargs: Any
+    ) -> list[Trajectory]:
+        """Multi-turn episodes with exact token trajectories: ``zmq_rollout.episodes.run_episodes``
+        (docs/multi_turn.md) with this client."""
+        return await run_episodes(self, env, samples, sampling, **kwargs)
 
     # -- weight sync -----------------------------------------------------------------------
     async def sync_step(self, step: p.SyncStep) -> p.SyncReply:

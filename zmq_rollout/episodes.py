@@ -20,20 +20,32 @@ import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
 from zmq_rollout import protocol as p
 from zmq_rollout.chat_tokens import ChatTokens
+from zmq_rollout.config import ClientConfig
 from zmq_rollout.env_hosts import EnvironmentLost, EnvSpec, LocalEnvs, ProcessEnvs
 from zmq_rollout.environments import Action, Message, Observation, parse_tool_calls
 from zmq_rollout.environments.registry import Factory
 from zmq_rollout.errors import ConfigError, EnvironmentFailedError, RolloutError
 from zmq_rollout.rollouts import make_job, to_rollouts
 
-if TYPE_CHECKING:
-    from zmq_rollout.client import AsyncRolloutClient
+
+class JobClient(Protocol):
+    """What run_episodes needs of a client (``AsyncRolloutClient`` is one)."""
+
+    @property
+    def config(self) -> ClientConfig: ...
+
+    async def submit_jobs(self, jobs: list[p.JobSpec], *, stream: bool = False) -> list[Any]: ...
+
+    async def cancel(self, job_ids: Sequence[str]) -> None: ...
+
+    async def status(self) -> p.StatusReply: ...
+
 
 _MASK63 = (1 << 63) - 1
 FinishReason = Literal["done", "max_turns", "budget", "error", "stale"]
@@ -89,7 +101,7 @@ class _Restart(Exception):
 
 @dataclass
 class _Run:
-    client: AsyncRolloutClient
+    client: JobClient
     envs: LocalEnvs | ProcessEnvs
     chat: ChatTokens
     sampling: p.SamplingParams
@@ -108,7 +120,7 @@ class _Run:
 
 
 async def run_episodes(
-    client: AsyncRolloutClient,
+    client: JobClient,
     env: str | Factory,
     samples: Sequence[Any],
     sampling: p.SamplingParams | None = None,

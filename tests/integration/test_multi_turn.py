@@ -91,6 +91,8 @@ def test_turns_are_token_exact_and_retokenizing_the_text_would_drift(
 ) -> None:
     from transformers import AutoTokenizer
 
+    status = cluster.status()  # what each worker can do, as its READY said
+    assert all({"generate", "text"} <= set(w.capabilities) and w.max_model_len == 1024 for w in status.workers)
     sampling = SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
     got = episodes(cluster, tiny_model, ["A ", "B ", "C "], sampling, n=2, env_kwargs={"turns": 3})
     assert [t.finish_reason for t in got] == ["done"] * 6 and all(t.num_turns == 3 for t in got)

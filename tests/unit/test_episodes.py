@@ -187,3 +187,16 @@ def test_a_seed_gives_every_turn_of_every_episode_its_own_reproducible_seed(
     first = asyncio.run(run_once())
     assert len(first) == 12 and len(set(first)) == 12  # 2 samples x 2 episodes x 3 turns, all different
     assert asyncio.run(run_once()) == first
+
+
+def test_blocking_client_runs_episodes_and_status_says_what_runs_where(start_broker: Any, start_double: Any) -> None:
+    from zmq_rollout import RolloutClient
+
+    broker = start_broker()
+    start_double(broker)
+    with RolloutClient(broker.frontend, timeout_s=60) as client:
+        status = client.status()
+        assert {"calculator", "scripted", "gymnasium"} <= set(status.environments)
+        assert [w.capabilities for w in status.workers] == [["echo"]]  # as the double's READY said
+        got = client.run_episodes("scripted", ["x"], SamplingParams(max_tokens=4), tokenizer=TOKENIZER)
+    assert (got[0].finish_reason, got[0].num_turns) == ("done", 3)

@@ -13,6 +13,7 @@ The target is a class or a function; called with the keyword arguments given to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -34,9 +35,15 @@ def register(name: str, factory: Factory) -> None:
     _registered[name] = factory
 
 
+@functools.cache
+def _installed() -> frozenset[str]:
+    return frozenset(ep.name for ep in entry_points(group=GROUP))
+
+
 def available() -> list[str]:
-    """Names of the environments this process can build: registered here or installed."""
-    return sorted(set(_registered) | {ep.name for ep in entry_points(group=GROUP)})
+    """Names of the environments this process can build: registered here or installed (the
+    installed ones are read once per process)."""
+    return sorted(set(_registered) | _installed())
 
 
 def factory(name: str) -> Factory:
