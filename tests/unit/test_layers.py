@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "zmq_rollout.submissions", "zmq_rollout.liveness", "zmq_rollout.episodes", "zmq_rollout.env_hosts",
                 "zmq_rollout.chat_tokens", "zmq_rollout.environments", "zmq_rollout")),
     ("services", ("zmq_rollout.broker", "zmq_rollout.workers")),
-    ("tools", ("zmq_rollout.cli", "zmq_rollout.demo", "zmq_rollout.local", "zmq_rollout.top", "zmq_rollout.gateway")),
+    ("tools", ("zmq_rollout.cli", "zmq_rollout.demo", "zmq_rollout.local", "zmq_rollout.top", "zmq_rollout.gateway",
+               "zmq_rollout.integrations")),
 ]  # fmt: skip
 SERVICES = ("zmq_rollout.broker", "zmq_rollout.workers")
 
