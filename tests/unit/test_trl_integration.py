@@ -83,8 +83,7 @@ def test_top_logprobs_are_sorted_with_the_sampled_token_included() -> None:
 def test_sampling_params_map_trl_arguments() -> None:
     params = sampling_params(**{**DEFAULTS, "n": 4, "top_k": 0, "max_tokens": 8, "generation_kwargs": {"seed": 7}})
     assert (params.n, params.top_k, params.max_tokens, params.seed, params.logprobs) == (4, -1, 8, 7, 0)
-    regex = sampling_params(**{**DEFAULTS, "structured_outputs_regex": "a+"})
-    assert regex.structured == p.StructuredOutput(regex="a+")
+    assert sampling_params(**{**DEFAULTS, "generation_kwargs": {"top_k": 5}}).top_k == 5
     with pytest.raises(ValueError, match="best_of"):
         sampling_params(**{**DEFAULTS, "generation_kwargs": {"best_of": 2}})
     with pytest.raises(ValueError, match="top_p"):

@@ -36,6 +36,10 @@ PASSED_THROUGH = (
 )
 
 
+NEUTRAL: dict[str, Any] = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""Arguments TRL always sends that change nothing at these values: left out of the job."""
+
+
 def sampling_params(
     *,
     n: int,
@@ -51,7 +55,8 @@ def sampling_params(
 ) -> p.SamplingParams:
     """TRL's sampling arguments as our ``SamplingParams`` (ValueError names a field we do not take).
 
-    TRL's ``top_k=0`` (no truncation) is vLLM's and ours ``-1``.
+    TRL's ``top_k=0`` (no truncation) is vLLM's and ours ``-1``. A field at its neutral value
+    is left out; one that ``SamplingParams`` does not have is refused by name.
     """
     fields: dict[str, Any] = {
         "n": n,
@@ -75,8 +80,15 @@ def sampling_params(
             structured = structured or (dict(value) if value else None)
         else:
             raise ValueError(f"generation_kwargs[{key!r}] is not supported by zmq-rollout's TRL client")
+    fields = {k: v for k, v in fields.items() if k not in NEUTRAL or v != NEUTRAL[k]}
     if structured:
-        fields["structured"] = p.StructuredOutput(**structured)
+        fields["structured"] = structured
+    known = set(p.SamplingParams.__struct_fields__)
+    for key in fields:
+        if key not in known:
+            raise ValueError(f"{key}={fields[key]!r} is not supported by this zmq-rollout's SamplingParams")
+    if structured:
+        fields["structured"] = p.StructuredOutput(**structured)  # type: ignore[attr-defined,unused-ignore]
     return p.SamplingParams(**fields)
 
 
