@@ -145,6 +145,9 @@ class Engine:
                 add_generation_prompt=True,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
+        keep = job.sampling.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]  # as vLLM's truncate_prompt_tokens: the last ``keep`` tokens
         if max(ids) >= self.vocab_size:
             raise InvalidJob(f"prompt token id {max(ids)} is out of range for a vocabulary of {self.vocab_size}")
         if job.lora is not None and job.lora not in self.loras:

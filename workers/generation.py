@@ -77,7 +77,9 @@ def continuation(job: p.JobSpec, acc: _Acc, prompt_ids: list[int]) -> tuple[list
     if left <= 0:
         return None
     seed = None if s.seed is None else (s.seed * 1_000_003 + acc.index * 7919 + len(acc.token_ids)) & _MASK63
-    params = msgspec.structs.replace(s, n=1, max_tokens=left, seed=seed)
+    # the continuation's prompt is already truncated; min_tokens counts what is still owed
+    owed = max(0, s.min_tokens - len(acc.token_ids))
+    params = msgspec.structs.replace(s, n=1, max_tokens=left, seed=seed, min_tokens=owed, truncate_prompt_tokens=None)
     return prompt_ids + acc.token_ids, params
 
 

@@ -11,6 +11,12 @@ def vllm_sampling(s: p.SamplingParams, *, stream: bool) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    structured = None
+    if s.structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        c = s.structured
+        structured = StructuredOutputsParams(json=c.json_schema, regex=c.regex, choice=c.choice)
     return SamplingParams(
         n=s.n,
         temperature=s.temperature,
@@ -23,6 +29,14 @@ def vllm_sampling(s: p.SamplingParams, *, stream: bool) -> Any:
         ignore_eos=s.ignore_eos,
         include_stop_str_in_output=s.include_stop_str_in_output,
         skip_special_tokens=s.skip_special_tokens,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias) if s.logit_bias else None,
+        structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 

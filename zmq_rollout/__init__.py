@@ -19,7 +19,7 @@ from zmq_rollout.errors import (
     RolloutTimeoutError,
     SyncError,
 )
-from zmq_rollout.protocol import ChatMessage, SamplingParams
+from zmq_rollout.protocol import ChatMessage, SamplingParams, StructuredOutput
 from zmq_rollout.rollouts import Rollout, StreamRestarted, TokenDelta
 from zmq_rollout.weight_sync import SyncReport
 
@@ -43,6 +43,7 @@ __all__ = [
     "RolloutTimeoutError",
     "SamplingParams",
     "StreamRestarted",
+    "StructuredOutput",
     "SyncError",
     "SyncReport",
     "TokenDelta",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from zmq_rollout import (
     Rollout,
     RolloutClient,
     SamplingParams,
+    StructuredOutput,
     TokenDelta,
     codec,
 )
@@ -80,8 +82,9 @@ def reference(model: str, jobs: list[tuple[list[int], dict]], *, texts: bool = F
         capture_output=True,
         text=True,
         timeout=600,
-        check=True,
+        check=False,
     )
+    assert out.returncode == 0, f"direct vLLM failed (exit {out.returncode}):\n{out.stderr[-4000:]}"
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("REFERENCE "))
     found = json.loads(line[len("REFERENCE ") :])
     return (found["outputs"], found["texts"]) if texts else found["outputs"]
@@ -142,6 +145,59 @@ def test_token_ids_and_text_identical_to_direct_vllm(
     assert k0.text == s0.text + stop
     first_ids = next(r.token_ids for r in plain[len(PROMPTS) :] if r.prompt_index == 0)
     assert s0.token_ids == k0.token_ids == first_ids[: len(s0.token_ids)]
+
+
+def test_the_rest_of_vllms_sampling_surface_is_token_identical(
+    cluster: LocalCluster, client: RolloutClient, tiny_model: str
+) -> None:
+    """min_p, the penalties, stop_token_ids, min_tokens, truncate_prompt_tokens, logit_bias and
+    structured outputs (choice, regex, JSON schema): each seeded job's ids and text equal direct
+    vLLM's for the same parameters, and each visibly acts (a biased byte is common, a stop id
+    ends the sample, a constraint is met)."""
+    prompt = PROMPTS[3]
+    base = {"temperature": 1.0, "max_tokens": 12, "seed": 77, "n": 2}
+    free = client.generate([prompt], SamplingParams(**base, ignore_eos=True))
+    stop_id = free[0].token_ids[4]  # a token the unconstrained sample is known to emit
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [
+        {"min_p": 0.2},
+        {"repetition_penalty": 1.5},
+        {"presence_penalty": 1.0, "frequency_penalty": 0.5},
+        {"stop_token_ids": [stop_id]},
+        {"min_tokens": 10},
+        {"logit_bias": {97: 8.0}},
+        {"structured": StructuredOutput(choice=["yes", "no"])},
+        {"structured": StructuredOutput(regex="[0-9]{3}")},
+        {"structured": StructuredOutput(json_schema=json.dumps(schema)), "max_tokens": 40},
+    ]
+    jobs, ours = [], []
+    for case in cases:
+        params = SamplingParams(**{**base, **case})
+        ours.append(client.generate([prompt], params))
+        vllm_params = {**base, **{k: v for k, v in case.items() if k != "structured"}}
+        if "structured" in case:
+            so = case["structured"]
+            vllm_params["structured_outputs"] = {
+                "choice": so.choice,
+                "regex": so.regex,
+                "json": None if so.json_schema is None else json.loads(so.json_schema),
+            }
+        jobs.append((prompt, vllm_params))
+    truncated = client.generate([prompt], SamplingParams(**base, truncate_prompt_tokens=3))
+    jobs.append((prompt[-3:], base))
+    want_ids, want_texts = reference(tiny_model, jobs, texts=True)
+    got = [*ours, truncated]
+    assert [[r.token_ids for r in rs] for rs in got] == want_ids
+    assert [[r.text for r in rs] for rs in got] == want_texts
+    by_case = dict(zip([next(iter(c)) + str(i) for i, c in enumerate(cases)], ours, strict=True))
+    first = by_case["stop_token_ids3"][0]  # sample 0 emits stop_id at position 4 when free (or EOS before)
+    assert first.finish_reason == "stop" and first.token_ids[-1] in (stop_id, 258)
+    assert first.token_ids == free[0].token_ids[: len(first.token_ids)] and len(first.token_ids) <= 5
+    assert all(r.token_ids.count(97) >= 6 for r in by_case["logit_bias5"])  # 'a' is pushed up
+    assert {r.text for r in by_case["structured6"]} <= {"yes", "no"}
+    assert all(re.fullmatch("[0-9]{3}", r.text) for r in by_case["structured7"])
+    assert all(isinstance(json.loads(r.text)["a"], int) for r in by_case["structured8"])
+    assert truncated[0].prompt_token_ids == prompt[-3:]
 
 
 def test_rollout_fields_for_a_trainer(client: RolloutClient) -> None:

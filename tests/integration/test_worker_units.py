@@ -24,6 +24,16 @@ def test_vllm_sampling_translation() -> None:
     assert (s.include_stop_str_in_output, s.skip_special_tokens) == (False, True)
     kept = vllm_sampling(p.SamplingParams(include_stop_str_in_output=True, skip_special_tokens=False), stream=False)
     assert (kept.include_stop_str_in_output, kept.skip_special_tokens) == (True, False)
+    rich = vllm_sampling(
+        p.SamplingParams(
+            max_tokens=9, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=-0.4,
+            stop_token_ids=[7], min_tokens=2, logit_bias={5: 1.5}, structured=p.StructuredOutput(choice=["a", "b"]),
+        ),
+        stream=False,
+    )  # fmt: skip
+    assert (rich.min_p, rich.repetition_penalty, rich.presence_penalty, rich.frequency_penalty) == (0.1, 1.2, 0.3, -0.4)
+    assert (rich.stop_token_ids, rich.min_tokens, rich.logit_bias) == ([7], 2, {5: 1.5})
+    assert rich.structured_outputs is not None and rich.structured_outputs.choice == ["a", "b"]
 
 
 def test_engine_args_asks_for_processed_logprobs_and_sizes_the_kv_cache() -> None:

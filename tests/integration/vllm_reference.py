@@ -32,7 +32,14 @@ async def main() -> None:
             # With n > 1, vLLM yields each sample's output as it goes (samples that finish early,
             # at a stop string, are not repeated in later outputs): keep the latest per index.
             latest: dict[int, Any] = {}
-            async for out in llm.generate({"prompt_token_ids": ids}, SamplingParams(**sampling), f"ref-{i}"):
+            params = dict(sampling)
+            if params.get("logit_bias"):  # JSON made its keys strings
+                params["logit_bias"] = {int(k): v for k, v in params["logit_bias"].items()}
+            if params.get("structured_outputs") is not None:
+                from vllm.sampling_params import StructuredOutputsParams
+
+                params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+            async for out in llm.generate({"prompt_token_ids": ids}, SamplingParams(**params), f"ref-{i}"):
                 for c in out.outputs:
                     latest[c.index] = c
             assert len(latest) == sampling.get("n", 1) and all(c.finish_reason for c in latest.values())

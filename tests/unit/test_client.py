@@ -382,6 +382,7 @@ def test_public_api_is_pinned() -> None:
         "RolloutTimeoutError",
         "SamplingParams",
         "StreamRestarted",
+        "StructuredOutput",
         "SyncError",
         "SyncReport",
         "TokenDelta",

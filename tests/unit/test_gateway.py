@@ -105,12 +105,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
     parse_chat(body(messages=[{"role": "user", "content": "x"}], tool_choice="none", chat_template_kwargs={}), 8)
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("repetition_penalty", 1.1), ("min_p", 0.05), ("presence_penalty", 0.5), ("stop_token_ids", [3]),
-     ("logit_bias", {"5": 1.0}), ("structured_outputs", {"regex": "a+"}), ("use_beam_search", True),
-     ("echo", True), ("min_tokens", 2)],
-)  # fmt: skip
+@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("echo", True), ("bad_words", ["x"])])
 def test_other_values_of_unsupported_fields_are_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(OpenAIError) as info:
         parse_completion(body(prompt="x", **{field: value}))
@@ -119,6 +114,50 @@ def test_other_values_of_unsupported_fields_are_refused_by_name(field: str, valu
     assert "not supported yet" in info.value.message
     with pytest.raises(OpenAIError):
         parse_chat(body(messages=[{"role": "user", "content": "x"}], **{field: value}), 8)
+
+
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [
+        ({"repetition_penalty": 1.1, "min_p": 0.05}, {"repetition_penalty": 1.1, "min_p": 0.05}),
+        ({"presence_penalty": 0.5, "frequency_penalty": -0.5}, {"presence_penalty": 0.5, "frequency_penalty": -0.5}),
+        ({"stop_token_ids": [3], "min_tokens": 2}, {"stop_token_ids": [3], "min_tokens": 2}),
+        ({"logit_bias": {"5": 1}}, {"logit_bias": {5: 1.0}}),
+        ({"truncate_prompt_tokens": 4}, {"truncate_prompt_tokens": 4}),
+        ({"structured_outputs": {"regex": "a+"}}, {"structured": p.StructuredOutput(regex="a+")}),
+        ({"guided_choice": ["x", "y"]}, {"structured": p.StructuredOutput(choice=["x", "y"])}),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},
+            {"structured": p.StructuredOutput(json_schema='{"type": "object"}')},
+        ),
+        (
+            {"response_format": {"type": "json_object"}},
+            {"structured": p.StructuredOutput(json_schema='{"type": "object"}')},
+        ),
+    ],
+)
+def test_the_rest_of_vllms_sampling_surface_maps_onto_ours(fields: dict[str, Any], want: dict[str, Any]) -> None:
+    _, jobs = parse_completion(body(prompt="x", max_tokens=8, **fields))
+    assert {k: getattr(jobs.sampling, k) for k in want} == want
+    _, chat = parse_chat(body(messages=[{"role": "user", "content": "x"}], max_tokens=8, **fields), 8)
+    assert {k: getattr(chat.sampling, k) for k in want} == want
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 99, "max_tokens": 8}, "min_tokens"),
+        ({"logit_bias": {"a": 1}}, "logit_bias"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "grammar"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+    ],
+)
+def test_bad_values_of_the_sampling_surface_are_400s_naming_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        parse_completion(body(prompt="x", **fields))
+    assert info.value.status == 400 and info.value.param == param, info.value.message
 
 
 @pytest.mark.parametrize(
@@ -336,7 +375,7 @@ def test_http_errors(start_broker: Any, start_double: Any, start_gateway: Any) -
     assert busy.headers["retry-after"] == "1"
     poll_until(lambda: broker.status().queued == 0, what="the refused request's other jobs to be cancelled")
     start_double(broker)
-    assert error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "a", "min_p": 0.1}), 400)["param"] == "min_p"
+    assert error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "a", "min_p": 1.1}), 400)["param"] == "min_p"
     assert error_of(httpx.post(f"{url}/v1/completions", content=b"{"), 400)["type"] == "Bad Request"
     assert error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "a", "model": "nope"}), 404)["param"] == "model"
     stream = {"prompt": "a", "stream": True, "model": "echo-double", "top_p": 0.0}

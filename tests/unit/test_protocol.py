@@ -153,7 +153,8 @@ def test_body_is_a_plain_msgpack_array() -> None:
         True,
         7,
     )
-    assert sampling == [4, 0.7, 0.9, 50, 32, ["\n", "</s>"], 1234, 5, True, False, True]
+    assert sampling[:11] == [4, 0.7, 0.9, 50, 32, ["\n", "</s>"], 1234, 5, True, False, True]
+    assert sampling[11:] == [0.0, 1.0, 0.0, 0.0, [], 0, None, None, None]  # the rest of vLLM's surface, neutral
     assert codec.encode_body(JOBS[0]) == msgpack.packb(raw_job)
 
 

@@ -3,14 +3,15 @@
 Field names, defaults and error bodies follow vLLM's OpenAI server (0.32:
 ``vllm/entrypoints/openai/completion/protocol.py``, ``chat_completion/protocol.py``,
 ``serve/engine/protocol.py`` ``ErrorResponse``). A sampling field our ``SamplingParams``
-does not have yet is accepted at its neutral value (TRL sends ``repetition_penalty=1.0``,
-``min_p=0.0``) and refused with a 400 that names it otherwise; fields vLLM ignores, or that
+does not have yet is accepted at its neutral value and refused with a 400 that names it
+otherwise; fields vLLM ignores, or that
 change nothing here (``user``, ``request_id``, ``stream_interval``...), and unknown fields
 are ignored, as vLLM ignores unknown fields.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -44,26 +45,15 @@ def _neutral(*values: Any) -> tuple[Any, ...]:
 
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # vLLM sampling fields our SamplingParams does not have (yet), each with its neutral values.
-    "frequency_penalty": _neutral(0, 0.0),
-    "presence_penalty": _neutral(0, 0.0),
-    "repetition_penalty": _neutral(1, 1.0),
-    "min_p": _neutral(0, 0.0),
-    "logit_bias": _neutral({}),
-    "stop_token_ids": _neutral([]),
-    "min_tokens": _neutral(0),
+    # (min_p, the penalties, stop_token_ids, min_tokens, logit_bias, truncate_prompt_tokens and
+    # structured outputs are ours: see ``_surface``.)
     "use_beam_search": _neutral(False),
     "length_penalty": _neutral(1, 1.0),
     "bad_words": _neutral([]),
     "allowed_token_ids": _neutral(),
     "prompt_logprobs": _neutral(),
     "logprob_token_ids": _neutral(),
-    "structured_outputs": _neutral(),
-    "guided_json": _neutral(),
-    "guided_regex": _neutral(),
-    "guided_choice": _neutral(),
     "guided_grammar": _neutral(),
-    "response_format": _neutral({"type": "text"}),
-    "truncate_prompt_tokens": _neutral(),
     "spaces_between_special_tokens": _neutral(True),
     "priority": _neutral(0),
     "watermarking": _neutral(False),
@@ -177,8 +167,68 @@ def _parse(model: type[OpenAIRequest], body: bytes) -> Any:
         raise _validation_error(exc) from None
 
 
+SURFACE_NUMBERS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _structured(extra: dict[str, Any]) -> p.StructuredOutput | None:
+    """vLLM's ``structured_outputs`` (and its older ``guided_*`` and OpenAI's ``response_format``)
+    as our ``StructuredOutput``; None when the request constrains nothing."""
+    given: dict[str, Any] = {}
+    so = extra.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise OpenAIError("structured_outputs must be an object", param="structured_outputs")
+        unknown = sorted(k for k, v in so.items() if v not in (None, False) and k not in ("json", "regex", "choice"))
+        if unknown:
+            raise OpenAIError(f"structured_outputs.{unknown[0]} is not supported yet by zmq-rollout", param=unknown[0])
+        given = {k: so[k] for k in ("json", "regex", "choice") if so.get(k) is not None}
+    for old, new in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+        if extra.get(old) is not None:
+            given[new] = extra[old]
+    fmt = extra.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        if fmt.get("type") == "json_object":
+            given["json"] = {"type": "object"}
+        elif fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+            given["json"] = fmt["json_schema"].get("schema", {})
+        else:
+            raise OpenAIError(f"response_format {fmt.get('type')!r} is not supported", param="response_format")
+    if not given:
+        return None
+    schema = given.get("json")
+    try:
+        return p.StructuredOutput(
+            json_schema=None if schema is None else (schema if isinstance(schema, str) else json.dumps(schema)),
+            regex=given.get("regex"),
+            choice=given.get("choice"),
+        )
+    except (ValueError, TypeError) as exc:
+        raise OpenAIError(str(exc), param="structured_outputs") from None
+
+
+def _surface(extra: dict[str, Any]) -> dict[str, Any]:
+    """The rest of vLLM's sampling fields, from the request's extra fields, as ours."""
+    out: dict[str, Any] = {name: extra[name] for name in SURFACE_NUMBERS if extra.get(name) is not None}
+    for name in ("stop_token_ids", "min_tokens", "truncate_prompt_tokens"):
+        if extra.get(name) is not None:
+            out[name] = extra[name]
+    bias = extra.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict):
+            raise OpenAIError("logit_bias maps token ids to biases", param="logit_bias")
+        try:
+            out["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise OpenAIError("logit_bias keys are token ids (integers as strings)", param="logit_bias") from None
+    structured = _structured(extra)
+    if structured is not None:
+        out["structured"] = structured
+    return out
+
+
 def _sampling(req: OpenAIRequest, max_tokens: int | None, logprobs: int) -> p.SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    surface = _surface(req.model_extra or {})
     try:
         return p.SamplingParams(
             n=1 if req.n is None else req.n,
@@ -192,6 +242,7 @@ def _sampling(req: OpenAIRequest, max_tokens: int | None, logprobs: int) -> p.Sa
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            **surface,
         )
     except (ValueError, TypeError) as exc:
         message = str(exc)

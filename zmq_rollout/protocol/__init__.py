@@ -62,6 +62,7 @@ from .jobs import (
     ResultRelay,
     Sample,
     SamplingParams,
+    StructuredOutput,
 )
 from .steps import (
     BACKENDS,
@@ -101,6 +102,6 @@ __all__ = [
     "CheckNames", "ClientStatus", "Commit", "Control", "ControlAck", "CudaIpcHandle", "Delta", "DeltaRelay",
     "ErrorItem", "Evicted", "FinishUpdate", "JobSpec", "JobTotals", "JoinGroup", "LeaveGroup", "Liveness", "LoadIpc",
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
-    "SamplingParams", "StatusReply", "Struct", "SyncOp", "SyncReply", "SyncStep", "TensorMeta", "WorkerAck",
-    "WorkerInfo", "WorkerStatus",
+    "SamplingParams", "StatusReply", "Struct", "StructuredOutput", "SyncOp", "SyncReply", "SyncStep", "TensorMeta",
+    "WorkerAck", "WorkerInfo", "WorkerStatus",
 ]  # fmt: skip

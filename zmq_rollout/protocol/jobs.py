@@ -8,6 +8,9 @@ job with an error (ERROR, BUSY).
 
 from __future__ import annotations
 
+import json
+import re
+
 import msgspec
 
 from .base import (
@@ -27,6 +30,47 @@ from .base import (
 )
 
 MAX_SESSION_ID = MAX_JOB_ID
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_STRUCTURED_CHARS = 1 << 16
+MAX_CHOICES = 256
+
+
+class StructuredOutput(Struct):
+    """Exactly one constraint on what a sample may be, as vLLM's structured outputs: a JSON
+    schema (as JSON text), a regular expression, or one of a list of strings."""
+
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured takes exactly one of json_schema, regex, choice; got {given or 'none'}")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str) or len(self.json_schema) > MAX_STRUCTURED_CHARS:
+                raise ValueError(f"structured.json_schema is JSON text of at most {MAX_STRUCTURED_CHARS} characters")
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise ValueError(f"structured.json_schema is not JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured.json_schema must be a JSON object (a schema)")
+        if self.regex is not None:
+            if not isinstance(self.regex, str) or not 0 < len(self.regex) <= MAX_STRUCTURED_CHARS:
+                raise ValueError(f"structured.regex is a pattern of 1..{MAX_STRUCTURED_CHARS} characters")
+            try:
+                re.compile(self.regex)
+            except re.error as exc:
+                raise ValueError(f"structured.regex does not compile: {exc}") from None
+        if self.choice is not None:
+            choice = self.choice
+            if not (isinstance(choice, list) and 0 < len(choice) <= MAX_CHOICES):
+                raise ValueError(f"structured.choice is a list of 1..{MAX_CHOICES} strings")
+            if not all(isinstance(c, str) and 0 < len(c) <= MAX_STRUCTURED_CHARS for c in choice):
+                raise ValueError("structured.choice holds non-empty strings")
 
 
 class SamplingParams(Struct):
@@ -50,6 +94,20 @@ class SamplingParams(Struct):
     hold the tokens that made it (they are what the model sampled)."""
     skip_special_tokens: bool = True
     """As in vLLM: leave special tokens (``<|im_end|>``...) out of ``text``."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] = []
+    """Token ids that end a sample like EOS (the id stays in ``token_ids``)."""
+    min_tokens: int = 0
+    """Tokens to generate before EOS or a stop may end a sample."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last this many prompt tokens (as vLLM's option of that name)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit, as OpenAI's (-100..100)."""
+    structured: StructuredOutput | None = None
+    """Constrain the samples to a JSON schema, a regular expression or a choice."""
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1, MAX_N)
@@ -69,6 +127,25 @@ class SamplingParams(Struct):
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool")
+        check_finite("min_p", self.min_p, 0.0, 1.0)
+        check_finite("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        check_finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        ids = self.stop_token_ids
+        if ids and not (isinstance(ids, list) and len(ids) <= MAX_STOP_TOKEN_IDS):
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, as a list")
+        for tid in ids:
+            check_int("stop_token_ids", tid, 0, MAX_TOKEN_ID)
+        check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.truncate_prompt_tokens is not None:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, MAX_PROMPT_TOKENS)
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias maps at most {MAX_LOGIT_BIAS} token ids to a bias")
+            for tid, value in bias.items():
+                check_int("logit_bias token id", tid, 0, MAX_TOKEN_ID)
+                check_finite(f"logit_bias[{tid}]", value, -100.0, 100.0)
 
 
 class ChatMessage(Struct):
