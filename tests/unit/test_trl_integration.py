@@ -187,3 +187,37 @@ def test_check_server_fails_with_connection_error_when_no_worker_joins(start_bro
     broker = start_broker()
     with pytest.raises(ConnectionError, match="no worker yet"):
         ours.VLLMClient(broker=broker.frontend, connection_timeout=0.0)
+
+
+class _OnCuda:
+    """Stands in for a CUDA tensor (this tier has no GPU): only what the client looks at."""
+
+    is_cuda = True
+
+    def detach(self) -> _OnCuda:
+        return self
+
+
+def test_the_transport_follows_the_tensors_device_unless_given(client_for: Any) -> None:
+    client, _ = client_for(1)
+    asked: list[str] = []
+    real = client._client.update_weights
+
+    def recording(source: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["transport"])
+        if kwargs["transport"] != "shm":  # no GPU, no peer to join a group here: stop first
+            raise RuntimeError("stop")
+        return real(source, **kwargs)
+
+    client._client.update_weights = recording
+    client.update_named_param("w", torch.ones(2))
+    client.reset_prefix_cache()
+    client.update_named_param("w", _OnCuda())
+    with pytest.raises(RuntimeError, match="stop"):
+        client.reset_prefix_cache()
+    client.transport = "gloo"
+    client.update_named_param("w", torch.ones(2))
+    with pytest.raises(RuntimeError, match="stop"):
+        client.reset_prefix_cache()
+    assert asked == ["shm", "cuda_ipc", "gloo"]
+    assert [s.transport for s in client.syncs] == ["shm"]
