@@ -197,10 +197,12 @@ class Connection:
 
     async def _write(self) -> None:
         """Send the waiting requests, in order, as the socket takes them."""
+        assert self._sock is not None
         room = zmq.asyncio.Poller()  # wakes when the socket has room (never in the way of a send: see _try)
         room.register(self._sock, zmq.POLLOUT)
         while self._waiting:
             await room.poll()
+            self._sock.get(zmq.EVENTS)  # the poll read the socket's events too: see _try
             while self._waiting:
                 request = self._waiting[0]
                 if request.sent.done():  # withdrawn by its caller
