@@ -184,3 +184,21 @@ async def warm_up(engine: Engine) -> None:
     job = p.JobSpec("warm-up", p.SamplingParams(max_tokens=2, seed=0, logprobs=1), prompt_token_ids=[0, 1])
     async for _ in run_job(engine, "zmq-rollout-warm-up", job):
         pass
+
+
+def failure(exc: BaseException, job: p.JobSpec) -> tuple[str, str]:
+    """(error code, message) for a job that raised ``exc``. vLLM wraps what went wrong in an
+    ``EngineGenerateError`` with no message: the message names the whole cause chain, and a
+    request vLLM refused (its ``ValueError``s), or structured outputs this engine cannot load,
+    are the sender's ``invalid_request``, not a failed job."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = " <- ".join(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__ for e in chain)
+    if job.sampling.structured is not None and any(isinstance(e, ImportError) for e in chain):
+        return "invalid_request", f"structured outputs are not available on this worker ({text})"
+    if any(isinstance(e, ValueError) for e in chain[1:]):  # vLLM's own validation of the request
+        return "invalid_request", text
+    return "job_failed", text

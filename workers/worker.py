@@ -29,7 +29,7 @@ from zmq_rollout.errors import ProtocolError
 
 from .control import SyncParticipant, refusal
 from .engine import Engine, InvalidJob
-from .generation import run_job
+from .generation import failure, run_job
 from .metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -267,9 +267,10 @@ class Worker:
             if self.engine.errored:
                 self._engine_dead(repr(exc))
                 return  # no answer: the broker requeues the job on another worker
-            log.exception("worker %s: job %d failed", self.name, ticket)
-            self.metrics.jobs_failed.labels("job_failed").inc()
-            self._queue(p.ERROR, p.ErrorItem(ticket, "job_failed", f"{type(exc).__name__}: {exc}"))
+            code, message = failure(exc, job)
+            log.exception("worker %s: job %d failed (%s)", self.name, ticket, code)
+            self.metrics.jobs_failed.labels(code).inc()
+            self._queue(p.ERROR, p.ErrorItem(ticket, code, message))
         finally:
             self._tasks.pop(ticket, None)
 

@@ -72,13 +72,15 @@ def client(cluster: LocalCluster):
         yield c
 
 
-def reference(model: str, jobs: list[tuple[list[int], dict]], *, texts: bool = False) -> Any:
+def reference(
+    model: str, jobs: list[tuple[list[int], dict]], *, texts: bool = False, groups: list[int] | None = None
+) -> Any:
     """Token ids from direct vLLM (tests/vllm_reference.py in its own process); with
     ``texts``, (token ids, texts) per job and sample."""
     script = Path(__file__).with_name("vllm_reference.py")
     out = subprocess.run(
         [sys.executable, str(script)],
-        input=json.dumps({"model": model, "jobs": jobs}),
+        input=json.dumps({"model": model, "jobs": jobs, "groups": groups}),
         capture_output=True,
         text=True,
         timeout=600,
@@ -126,7 +128,10 @@ def test_token_ids_and_text_identical_to_direct_vllm(
         "include_stop_str_in_output": s.include_stop_str_in_output,
     }
     want_ids, want_texts = reference(
-        tiny_model, [(ids, as_dict(params)) for params, _ in calls for ids in PROMPTS], texts=True
+        tiny_model,
+        [(ids, as_dict(params)) for params, _ in calls for ids in PROMPTS],
+        texts=True,
+        groups=[len(PROMPTS)] * len(calls),  # one generate() call's prompts at a time, as above
     )
     got_ids = [group for _, rollouts in calls for group in by_prompt(rollouts)]
     got_texts = [
@@ -171,9 +176,20 @@ def test_the_rest_of_vllms_sampling_surface_is_token_identical(
         {"structured": StructuredOutput(json_schema=json.dumps(schema)), "max_tokens": 40},
     ]
     jobs, ours = [], []
-    for case in cases:
+    for case in list(cases):
         params = SamplingParams(**{**base, **case})
-        ours.append(client.generate([prompt], params))
+        try:
+            ours.append(client.generate([prompt], params))
+        except InvalidRequestError as exc:
+            # The GPU tier's vLLM bundle has no structured-output backend installed: there the
+            # worker must say so plainly (invalid_request), and the case is left out. On the CPU
+            # build (CI) every case runs.
+            import torch
+
+            assert "structured" in case and torch.cuda.is_available(), exc
+            assert "structured outputs are not available on this worker" in str(exc)
+            cases.remove(case)
+            continue
         vllm_params = {**base, **{k: v for k, v in case.items() if k != "structured"}}
         if "structured" in case:
             so = case["structured"]
@@ -185,18 +201,20 @@ def test_the_rest_of_vllms_sampling_surface_is_token_identical(
         jobs.append((prompt, vllm_params))
     truncated = client.generate([prompt], SamplingParams(**base, truncate_prompt_tokens=3))
     jobs.append((prompt[-3:], base))
-    want_ids, want_texts = reference(tiny_model, jobs, texts=True)
+    want_ids, want_texts = reference(tiny_model, jobs, texts=True, groups=[1] * len(jobs))  # one call at a time
     got = [*ours, truncated]
     assert [[r.token_ids for r in rs] for rs in got] == want_ids
     assert [[r.text for r in rs] for rs in got] == want_texts
     by_case = dict(zip([next(iter(c)) + str(i) for i, c in enumerate(cases)], ours, strict=True))
+    structured = {k: v for k, v in by_case.items() if k.startswith("structured")}
     first = by_case["stop_token_ids3"][0]  # sample 0 emits stop_id at position 4 when free (or EOS before)
     assert first.finish_reason == "stop" and first.token_ids[-1] in (stop_id, 258)
     assert first.token_ids == free[0].token_ids[: len(first.token_ids)] and len(first.token_ids) <= 5
     assert all(r.token_ids.count(97) >= 6 for r in by_case["logit_bias5"])  # 'a' is pushed up
-    assert {r.text for r in by_case["structured6"]} <= {"yes", "no"}
-    assert all(re.fullmatch("[0-9]{3}", r.text) for r in by_case["structured7"])
-    assert all(isinstance(json.loads(r.text)["a"], int) for r in by_case["structured8"])
+    if structured:  # always on the CPU build
+        assert {r.text for r in by_case["structured6"]} <= {"yes", "no"}
+        assert all(re.fullmatch("[0-9]{3}", r.text) for r in by_case["structured7"])
+        assert all(isinstance(json.loads(r.text)["a"], int) for r in by_case["structured8"])
     assert truncated[0].prompt_token_ids == prompt[-3:]
 
 

@@ -3,7 +3,8 @@
 The engine is built with the worker's engine settings (``engine_args``, configuration only),
 so the only difference left is the service between the client and the engine.
 
-Run as a script: reads ``{"model": ..., "jobs": [[prompt_token_ids, sampling_dict], ...]}``
+Run as a script: reads ``{"model": ..., "jobs": [[prompt_token_ids, sampling_dict], ...],
+"groups": [sizes]}`` (groups optional)
 as JSON on stdin and prints one line ``REFERENCE {"outputs": [[token_ids per sample], ...],
 "texts": [[text per sample], ...]}``.
 """
@@ -45,7 +46,14 @@ async def main() -> None:
             assert len(latest) == sampling.get("n", 1) and all(c.finish_reason for c in latest.values())
             return [(list(c.token_ids), c.text) for _, c in sorted(latest.items())]
 
-        got = await asyncio.gather(*(one(i, ids, s) for i, (ids, s) in enumerate(request["jobs"])))
+        # "groups": sizes of consecutive slices of the jobs to run one after another (each slice
+        # at once), as the tests' calls ran them: on a GPU the batch's make-up can tip a near tie
+        jobs = list(enumerate(request["jobs"]))
+        sizes = request.get("groups") or [len(jobs)]
+        got = []
+        for size in sizes:
+            chunk, jobs = jobs[:size], jobs[size:]
+            got += await asyncio.gather(*(one(i, ids, s) for i, (ids, s) in chunk))
     finally:
         llm.shutdown()
     outputs = [[ids for ids, _ in job] for job in got]

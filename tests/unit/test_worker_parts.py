@@ -83,3 +83,34 @@ def test_a_control_the_worker_cannot_decode_is_refused_not_ignored() -> None:
     assert ack == p.ControlAck(9, "load_rdma", False, 4, "ProtocolError: unknown step load_rdma")
     assert refusal(b"\xc1", "garbage", 4) is None  # not even the round can be read
     assert refusal(msgpack.packb(["x"]), "no round", 4) is None
+
+
+class _EngineGenerateError(Exception):
+    """Stands in for vLLM's EngineGenerateError: no message, the cause chained."""
+
+
+def _raised(cause: BaseException) -> BaseException:
+    try:
+        try:
+            raise cause
+        except BaseException as exc:
+            raise _EngineGenerateError() from exc
+    except _EngineGenerateError as outer:
+        return outer
+
+
+def test_a_failed_job_names_its_cause_and_a_refused_request_is_invalid() -> None:
+    from zmq_rollout.workers.generation import failure
+
+    structured = p.JobSpec("j", p.SamplingParams(structured=p.StructuredOutput(regex="a+")), prompt="x")
+    plain = p.JobSpec("j", p.SamplingParams(), prompt="x")
+    missing = _raised(ModuleNotFoundError("No module named 'lmformatenforcer'"))
+    code, message = failure(missing, structured)
+    assert code == "invalid_request" and "structured outputs are not available on this worker" in message
+    assert "_EngineGenerateError <- ModuleNotFoundError: No module named 'lmformatenforcer'" in message
+    assert failure(_raised(ValueError("logit_bias token 9999 out of range")), plain) == (
+        "invalid_request",
+        "_EngineGenerateError <- ValueError: logit_bias token 9999 out of range",
+    )
+    assert failure(RuntimeError("CUDA error"), plain) == ("job_failed", "RuntimeError: CUDA error")
+    assert failure(missing, plain)[0] == "job_failed"  # an import error without structured outputs is ours
