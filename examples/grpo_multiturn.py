@@ -15,9 +15,9 @@ covers exactly the generated turns, and that vLLM's logprobs match the trainer's
 
 The reported reward is per turn: an episode's summed reward / its 3 turns, the share of its
 model tokens that are ``a`` (0..1, comparable with grpo_tiny.py's); the per-turn means are
-logged too. Sampling is unseeded: ``run_episodes`` uses one ``SamplingParams`` for every
-turn of every episode, and a shared seed would give them all the same random stream. So
-``--seed`` fixes the model's init and the trainer, and curves vary from run to run.
+logged too. Sampling is unseeded here, so ``--seed`` fixes the model's init and the trainer
+and curves vary from run to run (``run_episodes`` now derives a seed per turn and episode
+from ``SamplingParams.seed``, so a seeded run would repeat; the curves below were unseeded).
 
 Measured on 2 busy CPU cores (defaults: 8 prompts x G=8 episodes, 12 tokens a turn, lr 5e-3):
 
