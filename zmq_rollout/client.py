@@ -48,6 +48,19 @@ log = logging.getLogger(__name__)
 __all__ = ["AsyncRolloutClient", "Prompt", "Rollout", "TokenDelta", "make_job"]
 
 
+def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Mark what ``futures`` will end with as seen: the caller gave up on them (a sibling job
+    failed, a stream was closed, a call timed out), so their later ``JobCancelledError`` is
+    expected, not asyncio's "Future exception was never retrieved"."""
+    for future in futures:
+        future.add_done_callback(_retrieve)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _config(address: str | None, config: ClientConfig | None, overrides: dict[str, Any]) -> ClientConfig:
     """A new config: ``config`` (or the defaults) with ``address`` and ``overrides``; the
     caller's object is never changed."""
@@ -208,12 +221,14 @@ class AsyncRolloutClient(WeightSyncMethods):
             return await asyncio.wait_for(asyncio.gather(*futures), None if math.isinf(limit) else limit)
         except asyncio.TimeoutError:
             left = [j.job_id for j in jobs if j.job_id in self._pending]
+            settle(futures)
             await self.cancel(left)
             raise RolloutTimeoutError(
                 f"{len(left)} of {len(jobs)} jobs had no result after {limit} s; they were cancelled "
                 "(raise ClientConfig.timeout_s or pass timeout_s=)"
             ) from None
         except BaseException:
+            settle(futures)
             await self.cancel([j.job_id for j in jobs if j.job_id in self._pending])
             raise
 
@@ -241,6 +256,7 @@ class AsyncRolloutClient(WeightSyncMethods):
                 yield rollout
         finally:
             if not handle.future.done():
+                settle([handle.future])
                 await self.cancel([job.job_id])
 
     async def cancel(self, job_ids: Sequence[str]) -> None:

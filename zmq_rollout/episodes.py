@@ -328,15 +328,22 @@ async def _generate(run: _Run, key: str, t: Trajectory, max_tokens: int, *, last
     try:
         result = await asyncio.wait_for(handle.future, None if math.isinf(limit) else limit)
     except asyncio.TimeoutError:
+        handle.future.add_done_callback(_retrieve)  # its JobCancelledError is expected
         await run.client.cancel([job.job_id])
         raise EnvironmentFailedError(
             f"turn {t.num_turns + 1} had no result after {limit:g} s (turn_timeout_s)"
         ) from None
     except BaseException:
         if not handle.future.done():
+            handle.future.add_done_callback(_retrieve)
             await run.client.cancel([job.job_id])
         raise
     return to_rollouts(result)[0]
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _with_session(job: p.JobSpec, session: str, last: bool) -> p.JobSpec:

@@ -391,3 +391,38 @@ def test_public_api_is_pinned() -> None:
     for name in zmq_rollout.__all__:
         assert getattr(zmq_rollout, name) is not None
     assert issubclass(zmq_rollout.BusyError, zmq_rollout.RolloutError)
+
+
+def test_jobs_given_up_on_leave_no_unretrieved_exceptions(start_broker: Any, start_double: Any) -> None:
+    """A stream closed early and a call that timed out cancel their jobs; the JobCancelledError
+    each job's future gets afterwards is expected, and asyncio must not report it as "Future
+    exception was never retrieved"."""
+    import contextlib
+    import gc
+
+    from helpers import poll_until
+
+    broker = start_broker()
+    double = start_double(broker, hold=True)  # never answers: every job is given up on
+    reports: list[str] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reports.append(str(ctx.get("message"))))
+        async with AsyncRolloutClient(broker.frontend, timeout_s=30) as client:
+            agen = client.stream([1, 2, 3], SamplingParams(max_tokens=4))
+            first = asyncio.ensure_future(agen.__anext__())
+            await asyncio.to_thread(poll_until, lambda: len(double.received) == 1, 10.0, "the streamed job held")
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            await agen.aclose()
+            with pytest.raises(RolloutTimeoutError):
+                await client.generate([[4, 5], [6, 7]], SamplingParams(max_tokens=2), timeout_s=0.5)
+            await asyncio.to_thread(poll_until, lambda: not client._pending, 10.0, "every cancellation answered")
+            del agen, first
+            gc.collect()
+        gc.collect()
+
+    asyncio.run(main())
+    assert len(double.received) == 3  # the double got all three jobs, and their cancellations
+    assert not [r for r in reports if "never retrieved" in r], reports
