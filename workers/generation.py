@@ -87,10 +87,11 @@ PROMPT_LOG_ENV = "ZMQ_ROLLOUT_TEST_PROMPT_LOG"
 """A TEST HOOK: a file to which the worker appends, per job, the prompt ids its engine gets
 (one JSON line: job id, session id, ids). tests/integration/test_multi_turn.py proves with it
 that each turn's prompt is the trajectory's exact prefix. Unset in production."""
+_PROMPT_LOG = os.environ.get(PROMPT_LOG_ENV)  # read once: a worker process's environment is fixed
 
 
 def _log_prompt(job: p.JobSpec, ids: list[int]) -> None:
-    path = os.environ.get(PROMPT_LOG_ENV)
+    path = _PROMPT_LOG
     if path:
         line = json.dumps({"job_id": job.job_id, "session_id": job.session_id, "prompt_token_ids": ids}) + "\n"
         with open(path, "a", encoding="utf-8") as log:  # one write per line: whole lines from each worker

@@ -38,7 +38,7 @@ from zmq_rollout.errors import (
     error_from_code,
 )
 from zmq_rollout.rollouts import Prompt, Rollout, StreamRestarted, TokenDelta, make_job, to_rollouts
-from zmq_rollout.submissions import Unanswered, pack_submits
+from zmq_rollout.submissions import Unanswered, pack_submits, settle
 from zmq_rollout.sync_methods import WeightSyncMethods
 from zmq_rollout.weight_sync import WeightTransport
 
@@ -46,19 +46,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncRolloutClient", "Prompt", "Rollout", "TokenDelta", "make_job"]
-
-
-def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
-    """Mark what ``futures`` will end with as seen: the caller gave up on them (a sibling job
-    failed, a stream was closed, a call timed out), so their later ``JobCancelledError`` is
-    expected, not asyncio's "Future exception was never retrieved"."""
-    for future in futures:
-        future.add_done_callback(_retrieve)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _config(address: str | None, config: ClientConfig | None, overrides: dict[str, Any]) -> ClientConfig:

@@ -32,6 +32,7 @@ from zmq_rollout.environments import Action, Message, Observation, parse_tool_ca
 from zmq_rollout.environments.registry import Factory
 from zmq_rollout.errors import ConfigError, EnvironmentFailedError, RolloutError
 from zmq_rollout.rollouts import make_job, to_rollouts
+from zmq_rollout.submissions import settle
 
 
 class JobClient(Protocol):
@@ -328,22 +329,17 @@ async def _generate(run: _Run, key: str, t: Trajectory, max_tokens: int, *, last
     try:
         result = await asyncio.wait_for(handle.future, None if math.isinf(limit) else limit)
     except asyncio.TimeoutError:
-        handle.future.add_done_callback(_retrieve)  # its JobCancelledError is expected
+        settle([handle.future])  # its JobCancelledError is expected
         await run.client.cancel([job.job_id])
         raise EnvironmentFailedError(
             f"turn {t.num_turns + 1} had no result after {limit:g} s (turn_timeout_s)"
         ) from None
     except BaseException:
         if not handle.future.done():
-            handle.future.add_done_callback(_retrieve)
+            settle([handle.future])
             await run.client.cancel([job.job_id])
         raise
     return to_rollouts(result)[0]
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _with_session(job: p.JobSpec, session: str, last: bool) -> p.JobSpec:

@@ -4,12 +4,16 @@ Pure: no sockets. ``pack_submits`` keeps every message under the broker's size l
 it the broker refuses the message; above twice it, ZeroMQ drops the connection without a
 word) and under the jobs-per-message limit. ``Unanswered`` remembers the SUBMIT messages of
 which no job has had any answer yet: the broker answers one peer's messages in order, so an
-ERROR about a whole message (key nil) is about the oldest of them.
+ERROR about a whole message (key nil) is about the oldest of them. ``settle`` marks the
+futures of jobs a caller gave up on as seen (their later cancellation is expected).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -86,3 +90,16 @@ class Unanswered:
         for jid in ids:
             self._message_of.pop(jid, None)
         return ids
+
+
+def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Mark what ``futures`` will end with as seen: the caller gave up on them (a sibling job
+    failed, a stream was closed, a call timed out), so their later ``JobCancelledError`` is
+    expected, not asyncio's "Future exception was never retrieved"."""
+    for future in futures:
+        future.add_done_callback(_retrieve)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
