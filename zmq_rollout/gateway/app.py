@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from zmq_rollout import errors
 from zmq_rollout.client import AsyncRolloutClient
 from zmq_rollout.gateway import responses as out
+from zmq_rollout.gateway import swift, weight_transfer
 from zmq_rollout.gateway.config import GatewayConfig
 from zmq_rollout.gateway.openai_protocol import Jobs, OpenAIError, OpenAIRequest, parse_chat, parse_completion
 from zmq_rollout.gateway.streaming import ChunkBuilder, StreamBroken
@@ -350,6 +351,8 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(gateway.registry), media_type=TEXT_FORMAT)
 
+    swift.add_routes(app, gateway, answer)  # ms-swift's rollout contract: /infer/, /health/, ...
+    weight_transfer.add_routes(app, gateway, answer)  # vLLM's weight-update endpoints (TRL)
     return app
 
 
