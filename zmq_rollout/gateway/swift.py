@@ -3,17 +3,10 @@ rest of what its `VLLMClient` calls, served on the gateway."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from fastapi import FastAPI
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
-
-if TYPE_CHECKING:
-    from zmq_rollout.gateway.app import Gateway
-
-Answer = Callable[[str, Request, Awaitable[Response]], Awaitable[Response]]
+from zmq_rollout.gateway.routes import Answer, GatewayState
 
 
-def add_routes(app: FastAPI, gateway: Gateway, answer: Answer) -> None:
+def add_routes(app: FastAPI, gateway: GatewayState, answer: Answer) -> None:
     """Register this module's endpoints on ``app``."""
