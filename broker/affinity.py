@@ -144,11 +144,11 @@ class Affinity:
         self._num_held[client] = self._num_held.get(client, 0) + 1
         return True
 
-    def ready(self, client: ClientId, heap: Iterable[tuple[float, WorkerId, WorkerState]]) -> Held | None:
+    def ready(self, client: ClientId, heap: Iterable[tuple[float, int, WorkerId, WorkerState]]) -> Held | None:
         """The oldest turn of ``client`` held for a worker of ``heap`` (those with free credits)
         that fits there now."""
         best = None
-        for _, _, w in heap:
+        for *_, w in heap:
             entry = self.first_held(w.identity, client)
             if entry is not None and fits(w, entry.job) and (best is None or entry.deadline < best.deadline):
                 best = entry

@@ -34,8 +34,17 @@ from .sync import SyncCoordinator
 
 log = logging.getLogger(__name__)
 
-Heap = list[tuple[float, WorkerId, WorkerState]]
-"""Workers with free credits by load, then identity (a deterministic tie-break)."""
+Heap = list[tuple[float, int, WorkerId, WorkerState]]
+"""Workers with free credits, in dispatch order (``_entry``)."""
+
+
+def _entry(w: WorkerState) -> tuple[float, int, WorkerId, WorkerState]:
+    """A worker's place on the dispatch heap: least loaded first; between equals, the one whose
+    last job is oldest (jobs that each finish before the next comes spread over the fleet
+    instead of all going to the same worker)."""
+    return (w.load(), w.last_pick, w.identity, w)
+
+
 MAX_REMEMBERED = 100_000  # answered job ids kept per client for resubmissions (see ClientState.finished)
 
 
@@ -377,7 +386,7 @@ class Scheduler:
         self._unhold(self.affinity.release_due(now))
         if not self._waiting:
             return
-        heap: Heap = [(w.load(), w.identity, w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
+        heap: Heap = [_entry(w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
         if not heap:
             return
         heapq.heapify(heap)
@@ -397,7 +406,7 @@ class Scheduler:
             if not popped:
                 stale = True
             elif worker.credits_free > 0:
-                heapq.heappush(heap, (worker.load(), worker.identity, worker))
+                heapq.heappush(heap, _entry(worker))
             if client.queue or holds(client.identity):
                 waiting.append(client)
         waiting.extendleft(reversed(blocked))
@@ -445,12 +454,12 @@ class Scheduler:
         found = None
         while heap:
             entry = heapq.heappop(heap)
-            w = entry[2]
+            w = entry[3]
             free = w.credits_free
             if free <= 0:
                 continue  # filled up while on the heap
-            if stale and entry[0] != w.load():
-                heapq.heappush(heap, (w.load(), entry[1], w))
+            if stale and entry[:2] != (w.load(), w.last_pick):
+                heapq.heappush(heap, _entry(w))
                 continue
             if (job.cost <= free or w.credits_used == 0) and w.weight_version >= job.spec.min_weight_version:
                 found = w
@@ -461,7 +470,7 @@ class Scheduler:
         return found
 
     def _assign(self, worker: WorkerState, client: ClientState, job: Job, now: float) -> None:
-        job.ticket = next(self._tickets)
+        job.ticket = worker.last_pick = next(self._tickets)
         job.attempts += 1
         job.dispatched_at = now
         job.dispatched_version = worker.weight_version

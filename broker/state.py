@@ -60,6 +60,8 @@ class WorkerState:
     weight_version: int = 0
     accepting: bool = True
     """False while a weight-sync round holds it, or while it is stale."""
+    last_pick: int = 0
+    """The ticket of the last job dispatched to it (ties in load go to the longest idle)."""
 
     @property
     def credits_free(self) -> int:

@@ -68,9 +68,16 @@ def finish_all(s: Scheduler, sent: Sent, now: float) -> None:
 
 
 def occupy(s: Scheduler, worker: bytes, now: float) -> p.Assignment:
-    """Fill the only credit of ``worker`` (the others have none free) with a sessionless job of B."""
+    """Fill the only credit of ``worker`` with a sessionless job of B (the others take no job
+    meanwhile, whatever their load)."""
+    others = [w for identity, w in s.workers.items() if identity != worker and w.accepting]
+    for w in others:
+        w.accepting = False
     s.submit(B, [turn(f"filler-{now}", None)], now)
-    ((assignment,),) = assignments(s.outbox.take()).values()
+    for w in others:
+        w.accepting = True
+    ((to, (assignment,)),) = assignments(s.outbox.take()).items()
+    assert to == worker
     return assignment
 
 

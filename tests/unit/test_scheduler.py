@@ -99,6 +99,22 @@ def test_least_loaded_worker_first() -> None:
     assert len(assigned(sent, W2)) == 2
 
 
+def test_jobs_that_finish_before_the_next_arrives_take_turns_over_idle_workers() -> None:
+    """Between equally loaded workers the one idle longest gets the job: on a fast fleet, where
+    each job ends before the next comes, work spreads instead of all going to one worker."""
+    s = make()
+    ready(s, W1, 4)
+    ready(s, W2, 4)
+    got = []
+    for i in range(6):
+        s.submit(A, jobs(f"j{i}", 1), now=float(i))
+        sent = s.outbox.take()
+        (worker,) = [w for w in (W1, W2) if assigned(sent, w)]
+        got.append(worker)
+        finish(s, worker, assigned(sent, worker), now=i + 0.5)
+    assert got == [W1, W2] * 3
+
+
 def test_new_worker_takes_work_before_a_loaded_one() -> None:
     s = make()
     ready(s, W1, 4)
