@@ -25,9 +25,9 @@ from zmq_rollout.gateway.swift_protocol import infer_response, parse_infer
 from zmq_rollout.rollouts import Rollout
 
 # swift/rlhf_trainers/rollout_mixin.py:357-368 builds this RequestConfig for GRPO (here with the
-# GRPO arguments' defaults of swift/rlhf_trainers/args_mixin.py:162-165 and max_completion_length
-# 64); swift/rlhf_trainers/rollout_mixin.py:1367-1369 posts dataclasses.asdict of it, which is
-# every field of swift/infer_engine/protocol.py:183-219 (RequestConfig):
+# defaults of swift/rlhf_trainers/args_mixin.py:162-166 and swift/arguments/rlhf_args.py:258, and
+# max_completion_length 64); swift/rlhf_trainers/rollout_mixin.py:1367-1369 posts
+# dataclasses.asdict of it, which is every field of swift/infer_engine/protocol.py:183-219:
 GRPO_REQUEST_CONFIG: dict[str, Any] = {
     "max_tokens": 64, "temperature": 0.9, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
     "num_beams": 1, "stop": [], "seed": None, "stream": False, "logprobs": True, "top_logprobs": None,
@@ -38,7 +38,7 @@ GRPO_REQUEST_CONFIG: dict[str, Any] = {
 
 def infer_request(uuid: str, *messages: dict[str, Any]) -> dict[str, Any]:
     """dataclasses.asdict of a RolloutInferRequest (swift/infer_engine/protocol.py:44-160) as
-    swift/rl_core/data.py:275-300 (to_infer_request) fills it for the server (include_extra:
+    swift/rl_core/data.py:275-301 (to_infer_request) fills it for the server (include_extra:
     the dataset's other columns in data_dict)."""
     return {
         "messages": list(messages), "images": [], "audios": [], "videos": [], "tools": None, "objects": {},
@@ -205,7 +205,7 @@ def rollout(prompt_index: int, index: int, **fields: Any) -> Rollout:
     return Rollout(**values)
 
 
-# Field names of swift/infer_engine/protocol.py: ChatCompletionResponse (468-480), its choices
+# Field names of swift/infer_engine/protocol.py: ChatCompletionResponse (468-477), its choices
 # (428-434), ChatMessage (420-424), RolloutOutput (494-530). swift's VLLMClient validates each item
 # as a RolloutOutput (swift/rlhf_trainers/vllm_client.py:184-188); pydantic drops unknown keys.
 RESPONSE_FIELDS = {"model", "choices", "usage", "id", "object", "created", "prompt_token_ids", "prompt_logprobs",
