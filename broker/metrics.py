@@ -31,6 +31,8 @@ _COUNTERS = {
     "failed": "Jobs that ended in an error from a worker, or lost too many workers.",
     "cancelled": "Jobs cancelled by their client.",
     "requeued": "Jobs put back in the queue because their worker was lost.",
+    "stale_restarted": "Jobs run again from the start: they finished more than their max_staleness versions behind.",
+    "stale": "Jobs answered with a stale error (max_staleness; also counted as failed).",
     "rejected_busy": "Jobs refused with BUSY because a queue was full.",
     "rejected_invalid": "Jobs refused as invalid (duplicate id and the like).",
     "dropped_client_gone": "Jobs dropped because their client disconnected or expired.",

@@ -27,7 +27,7 @@ from zmq_rollout.config import BrokerConfig
 
 from .affinity import Affinity, Held, fits
 from .outbox import Outbox
-from .staleness import observe_crossing
+from .staleness import observe_crossing, oldest_version
 from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
 from .stats import BrokerStats
 from .sync import SyncCoordinator
@@ -230,6 +230,10 @@ class Scheduler:
         fleet = self.sync.fleet_version
         done = fresh = 0
         for result in results:
+            running = worker.running.get(result.key)  # type: ignore[arg-type]
+            limited = running is not None and running.spec.max_staleness is not None
+            if limited and self._too_stale(worker, running, result, fleet, now):  # type: ignore[arg-type]
+                continue
             job = self._finish(worker, result.key)
             if job is None:
                 continue
@@ -253,6 +257,45 @@ class Scheduler:
         if tally is not None:
             tally.completed += done
         self.dispatch_soon(now)
+
+    def _too_stale(self, worker: WorkerState, job: Job, result: p.ResultRelay, fleet: int, now: float) -> bool:
+        """A result further behind the fleet than its job's ``max_staleness``: the job runs again
+        (``on_stale="restart"``, while restarts are left) or is answered ``stale``. False: fresh
+        enough, the result goes on as usual."""
+        spec = job.spec
+        limit = spec.max_staleness
+        assert limit is not None
+        if fleet - job.dispatched_version <= limit:
+            return False  # no token is older than the worker's version at dispatch
+        oldest = job.dispatched_version
+        if result.weight_version != job.dispatched_version:
+            oldest = oldest_version(result.samples, job.dispatched_version)
+        behind = fleet - oldest
+        if behind <= limit:
+            return False
+        client = self.clients.get(job.client)
+        if client is not None and spec.on_stale == "restart" and job.restarts < self.config.max_stale_restarts:
+            del worker.running[job.ticket]
+            worker.credits_used -= job.cost
+            client.running.pop(spec.job_id, None)
+            job.restarts += 1
+            job.attempts -= 1  # it was not lost: a restart does not count toward max_attempts
+            self._enqueue(client, job, front=True)
+            self.stats.stale_restarted += 1
+            if spec.stream:  # the client drops the tokens streamed so far (StreamRestarted)
+                self.outbox.to_client(job.client, p.ACCEPTED, spec.job_id)
+            self.dispatch_soon(now)
+            return True
+        self._finish(worker, job.ticket)
+        restarts = f" after {job.restarts} restarts (max_stale_restarts)" if job.restarts else ""
+        message = (
+            f"the job's oldest token is {behind} weight versions behind the fleet (version {oldest}, "
+            f"fleet {fleet}); its max_staleness is {limit}{restarts}"
+        )
+        self.outbox.to_client(job.client, p.ERROR, p.ErrorItem(spec.job_id, "stale", message))
+        self.stats.failed += 1
+        self.stats.stale += 1
+        return True
 
     def worker_error(self, identity: WorkerId, errors: list[p.ErrorItem], now: float) -> None:
         worker = self.worker_seen(identity, now)
@@ -313,6 +356,8 @@ class Scheduler:
                 )
                 continue
             self._enqueue(client, job, front=True)
+            if job.spec.stream:  # the client drops the tokens streamed so far (StreamRestarted)
+                self.outbox.to_client(job.client, p.ACCEPTED, job.spec.job_id)
             requeued += 1
         self.stats.requeued += requeued
         self.stats.failed += failed

@@ -52,3 +52,20 @@ def observe_crossing(stats: BrokerStats, samples: Any, num_samples: int, version
             oldest = min(versions)
             stats.version_span.observe(max(versions) - oldest)
         stats.staleness.observe(max(0, fleet - oldest))
+
+
+def oldest_version(samples: Any, dispatched: int) -> int:
+    """The version of a crossing result's oldest token: the oldest of its samples' per-token
+    versions, where each sample has them; else ``dispatched`` (its worker's version at
+    dispatch: no token is older). ``samples`` as in ``observe_crossing``."""
+    try:
+        decoded = samples if isinstance(samples, list) else _decoder.decode(samples)
+    except codec.DECODE_ERRORS:
+        return dispatched
+    oldest = []
+    for sample in decoded:
+        versions = sample.weight_versions
+        if not versions:
+            return dispatched
+        oldest.append(min(versions))
+    return max(dispatched, min(oldest)) if oldest else dispatched

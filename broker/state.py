@@ -26,6 +26,8 @@ class Job:
     dispatched_version: int = 0
     """Its worker's weight version when dispatched: a result of another version crossed a sync."""
     attempts: int = 0
+    restarts: int = 0
+    """Times it ran again because it finished too stale (``JobSpec.max_staleness``)."""
     cancelled: bool = False
 
     @property

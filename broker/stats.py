@@ -141,6 +141,8 @@ class BrokerStats:
     failed: int = 0
     cancelled: int = 0
     requeued: int = 0
+    stale_restarted: int = 0
+    stale: int = 0
     rejected_busy: int = 0
     rejected_invalid: int = 0
     dropped_client_gone: int = 0

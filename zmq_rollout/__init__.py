@@ -17,6 +17,7 @@ from zmq_rollout.errors import (
     ProtocolError,
     RolloutError,
     RolloutTimeoutError,
+    StaleRolloutError,
     SyncError,
 )
 from zmq_rollout.protocol import ChatMessage, SamplingParams, StructuredOutput
@@ -42,6 +43,7 @@ __all__ = [
     "RolloutError",
     "RolloutTimeoutError",
     "SamplingParams",
+    "StaleRolloutError",
     "StreamRestarted",
     "StructuredOutput",
     "SyncError",

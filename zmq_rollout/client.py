@@ -61,12 +61,14 @@ def _config(address: str | None, config: ClientConfig | None, overrides: dict[st
 
 
 class _Pending:
-    __slots__ = ("future", "job", "stream")
+    __slots__ = ("future", "job", "stream", "streamed")
 
     def __init__(self, job: p.JobSpec, future: asyncio.Future[p.Result], stream: asyncio.Queue[Any] | None) -> None:
         self.job = job  # kept to send it again after a broker restart
         self.future = future
         self.stream = stream
+        self.streamed = False
+        """Deltas of this attempt went to ``stream`` (a restart must say to drop them)."""
 
 
 class _StepReply(asyncio.Future[p.SyncReply]):
@@ -172,9 +174,18 @@ class AsyncRolloutClient(WeightSyncMethods):
         *,
         min_weight_version: int = 0,
         lora: str | None = None,
+        max_staleness: int | None = None,
+        on_stale: str = "abort",
     ) -> list[Rollout]:
         """Run one prompt; returns its ``n`` rollouts. Awaiting it waits for the answer."""
-        return await self.generate([prompt], sampling, min_weight_version=min_weight_version, lora=lora)
+        return await self.generate(
+            [prompt],
+            sampling,
+            min_weight_version=min_weight_version,
+            lora=lora,
+            max_staleness=max_staleness,
+            on_stale=on_stale,
+        )
 
     async def generate(
         self,
@@ -184,6 +195,8 @@ class AsyncRolloutClient(WeightSyncMethods):
         timeout_s: float | None = None,
         min_weight_version: int = 0,
         lora: str | None = None,
+        max_staleness: int | None = None,
+        on_stale: str = "abort",
     ) -> list[Rollout]:
         """Run every prompt; returns ``n`` rollouts per prompt, prompt-major, in input order.
 
@@ -191,10 +204,26 @@ class AsyncRolloutClient(WeightSyncMethods):
         chat messages. A single string is one prompt. ``lora``: sample with that adapter
         (pushed with ``update_lora``) instead of the base model. ``timeout_s``: how long to
         wait for all of them (None: ``ClientConfig.timeout_s``; ``math.inf``: no limit).
+        ``max_staleness``: a job that finishes with its oldest token more than this many weight
+        versions behind the fleet (a sync committed while it ran) raises ``StaleRolloutError``
+        (``on_stale="abort"``) or runs again from the start (``"restart"``; the broker's
+        ``max_stale_restarts`` times at most). ``min_weight_version``: run only on weights at
+        least that new.
         """
         sampling = sampling or p.SamplingParams()
         items: list[Prompt] = [prompts] if isinstance(prompts, str) else list(prompts)  # type: ignore[arg-type]
-        jobs = [make_job(self._new_id(), i, sampling, min_weight_version=min_weight_version, lora=lora) for i in items]
+        jobs = [
+            make_job(
+                self._new_id(),
+                i,
+                sampling,
+                min_weight_version=min_weight_version,
+                lora=lora,
+                max_staleness=max_staleness,
+                on_stale=on_stale,
+            )
+            for i in items
+        ]
         handles = await self.submit_jobs(jobs)
         results = await self._wait([h.future for h in handles], jobs, timeout_s)
         out: list[Rollout] = []
@@ -226,11 +255,24 @@ class AsyncRolloutClient(WeightSyncMethods):
         *,
         min_weight_version: int = 0,
         lora: str | None = None,
+        max_staleness: int | None = None,
+        on_stale: str = "abort",
     ) -> AsyncIterator[TokenDelta | StreamRestarted | Rollout]:
-        """Yield ``TokenDelta``s as tokens arrive, then the job's ``Rollout``s. After a broker
-        restart the job runs again: a ``StreamRestarted`` says to drop its deltas so far."""
+        """Yield ``TokenDelta``s as tokens arrive, then the job's ``Rollout``s. When the job runs
+        again from the start (its worker was lost, the broker restarted, or it was too stale
+        with ``on_stale="restart"``), a ``StreamRestarted`` says to drop its deltas so far.
+        Options as in ``generate``."""
         sampling = sampling or p.SamplingParams()
-        job = make_job(self._new_id(), prompt, sampling, stream=True, min_weight_version=min_weight_version, lora=lora)
+        job = make_job(
+            self._new_id(),
+            prompt,
+            sampling,
+            stream=True,
+            min_weight_version=min_weight_version,
+            lora=lora,
+            max_staleness=max_staleness,
+            on_stale=on_stale,
+        )
         (handle,) = await self.submit_jobs([job], stream=True)
         assert handle.stream is not None
         try:
@@ -383,9 +425,10 @@ class AsyncRolloutClient(WeightSyncMethods):
             return
         log.warning("broker at %s restarted; resubmitting %d unfinished jobs", self.config.address, len(jobs))
         for job in jobs:
-            stream = self._pending[job.job_id].stream
-            if stream is not None:
-                stream.put_nowait(StreamRestarted(job.job_id))
+            handle = self._pending[job.job_id]
+            if handle.stream is not None:
+                handle.streamed = False
+                handle.stream.put_nowait(StreamRestarted(job.job_id))
         for ids, encoded in pack_submits(jobs, self.config.batch_size, self.config.max_message_bytes):
             await self._conn.send(p.SUBMIT, encoded)
             self._unanswered.sent(ids)
@@ -395,6 +438,10 @@ class AsyncRolloutClient(WeightSyncMethods):
         if command == p.ACCEPTED:
             for jid in body:
                 unanswered.answered(jid)
+                handle = pending.get(jid)
+                if handle is not None and handle.streamed:  # queued again: it starts over
+                    handle.streamed = False
+                    handle.stream.put_nowait(StreamRestarted(jid))  # type: ignore[union-attr]
         elif command == p.FINAL:
             for result in body:
                 unanswered.answered(result.key)
@@ -408,6 +455,7 @@ class AsyncRolloutClient(WeightSyncMethods):
             for delta in body:
                 handle = pending.get(delta.key)
                 if handle is not None and handle.stream is not None:
+                    handle.streamed = True
                     handle.stream.put_nowait(TokenDelta(delta.key, delta.index, delta.token_ids, delta.logprobs))
         elif command in (p.ERROR, p.BUSY):
             for item in body:

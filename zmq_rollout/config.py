@@ -31,6 +31,8 @@ class BrokerConfig:
     """Queued jobs across all clients before any submission gets BUSY (bounds memory)."""
     max_attempts: int = 3
     """A job whose worker dies this many times in a row fails instead of being requeued again."""
+    max_stale_restarts: int = 3
+    """A job with max_staleness and on_stale="restart" runs again at most this many times, then fails as stale."""
     max_message_bytes: int = 64 << 20
     """Larger client messages are refused with an error (weight data does not pass through the broker)."""
     affinity: bool = True
@@ -64,6 +66,8 @@ class BrokerConfig:
                 raise ValueError(f"BrokerConfig.{name} must be a finite number of seconds >= 0, got {value!r}")
         if not (isinstance(self.max_sessions, int) and self.max_sessions >= 1):
             raise ValueError(f"BrokerConfig.max_sessions must be a positive integer, got {self.max_sessions!r}")
+        if not (type(self.max_stale_restarts) is int and self.max_stale_restarts >= 0):
+            raise ValueError(f"BrokerConfig.max_stale_restarts must be an int >= 0, not {self.max_stale_restarts!r}")
 
     @property
     def worker_expiry_s(self) -> float:

@@ -8,6 +8,7 @@
     ├── BusyError                the broker's queue for this client is full; retry later
     ├── JobFailedError           a worker accepted the job and it failed there
     ├── JobCancelledError        the job was cancelled before it finished
+    ├── StaleRolloutError        a job finished more weight versions behind the fleet than its max_staleness
     ├── RolloutTimeoutError      nothing came back in time (the message names the setting)
     ├── SyncError                a weight-sync round or one of its steps failed
     ├── BrokerUnavailableError   the broker has not answered for ClientConfig.broker_timeout_s
@@ -56,6 +57,13 @@ class JobCancelledError(RolloutError):
     code = "cancelled"
 
 
+class StaleRolloutError(RolloutError):
+    """The job's oldest token was more than its ``max_staleness`` versions behind the fleet
+    when it finished (``on_stale="abort"``, or ``"restart"`` past ``max_stale_restarts``)."""
+
+    code = "stale"
+
+
 class RolloutTimeoutError(RolloutError, TimeoutError):
     code = "timeout"
 
@@ -88,6 +96,7 @@ _BY_CODE: dict[str, type[RolloutError]] = {
         BusyError,
         JobFailedError,
         JobCancelledError,
+        StaleRolloutError,
         RolloutTimeoutError,
         ClientClosedError,
         SyncError,

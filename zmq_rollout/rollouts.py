@@ -51,6 +51,8 @@ def make_job(
     stream: bool = False,
     min_weight_version: int = 0,
     lora: str | None = None,
+    max_staleness: int | None = None,
+    on_stale: str = "abort",
 ) -> p.JobSpec:
     """Build and validate a job from a prompt string, chat messages or token ids."""
     kwargs: dict[str, Any] = {}
@@ -72,7 +74,16 @@ def make_job(
         )
     try:
         sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
-        return p.JobSpec(job_id, sampling, stream=stream, min_weight_version=min_weight_version, lora=lora, **kwargs)
+        return p.JobSpec(
+            job_id,
+            sampling,
+            stream=stream,
+            min_weight_version=min_weight_version,
+            lora=lora,
+            max_staleness=max_staleness,
+            on_stale=on_stale,
+            **kwargs,
+        )
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc), job_id=job_id) from None
 

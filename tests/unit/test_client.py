@@ -284,6 +284,38 @@ def test_stream_ends_with_rollouts_when_only_final_comes(
     assert double.received[0].job.stream is True
 
 
+def test_stream_says_restarted_when_its_job_is_accepted_again_after_deltas(start_client: Any, raw_socket: Any) -> None:
+    """The broker sends ACCEPTED again for a streamed job it runs anew (worker lost, too stale
+    with on_stale="restart"): the stream says StreamRestarted, then the new attempt's tokens."""
+    fake_broker = raw_socket(zmq.ROUTER)
+    fake_broker.bind("tcp://127.0.0.1:*")
+    client = start_client(fake_broker.getsockopt_string(zmq.LAST_ENDPOINT))
+    stream = client.stream([5, 6], SamplingParams(max_tokens=2), max_staleness=0, on_stale="restart")
+    got: list[Any] = []
+    reader = concurrent.futures.ThreadPoolExecutor(1).submit(lambda: got.extend(stream))
+    while True:
+        peer, _, command, header = fake_broker.recv_multipart()
+        if command == p.SUBMIT:
+            break
+    (job,) = codec.Decoder(codec.FROM_CLIENT).decode([p.SIGNATURE, command, header]).body
+    assert (job.max_staleness, job.on_stale, job.stream) == (0, "restart", True)
+    jid = job.job_id
+
+    def send(cmd: bytes, body: Any) -> None:
+        fake_broker.send_multipart([peer, *codec.encode(cmd, body)])
+
+    send(p.ACCEPTED, [jid])
+    send(p.PARTIAL, [p.Delta(jid, 0, [7], [-0.1])])
+    send(p.ACCEPTED, [jid])  # run again from the start
+    send(p.PARTIAL, [p.Delta(jid, 0, [8], [-0.2])])
+    send(p.PARTIAL, [p.Delta(jid, 0, [9], [-0.3])])
+    send(p.FINAL, [p.Result(jid, [5, 6], [p.Sample(0, [8, 9], [-0.2, -0.3], "length")], 1, "w0")])
+    reader.result(timeout=10)
+    kinds = [type(item).__name__ for item in got]
+    assert kinds == ["TokenDelta", "StreamRestarted", "TokenDelta", "TokenDelta", "Rollout"]
+    assert [t for item in got[2:4] for t in item.token_ids] == got[4].token_ids == [8, 9]
+
+
 def test_async_stream(start_broker: Any, start_double: Any) -> None:
     broker = start_broker()
     start_double(broker)
@@ -381,6 +413,7 @@ def test_public_api_is_pinned() -> None:
         "RolloutError",
         "RolloutTimeoutError",
         "SamplingParams",
+        "StaleRolloutError",
         "StreamRestarted",
         "StructuredOutput",
         "SyncError",

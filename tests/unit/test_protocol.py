@@ -178,11 +178,22 @@ def test_extra_trailing_array_items_are_ignored() -> None:
         True,
         None,
         False,
+        2,
+        "restart",
         "future-field",
         99,
     ]
     (job,) = _decode("FROM_CLIENT", _submit_frames(raw)).body
-    want = p.JobSpec("j", p.SamplingParams(n=2), prompt="hi", min_weight_version=3, lora="adapter", resubmitted=True)
+    want = p.JobSpec(
+        "j",
+        p.SamplingParams(n=2),
+        prompt="hi",
+        min_weight_version=3,
+        lora="adapter",
+        resubmitted=True,
+        max_staleness=2,
+        on_stale="restart",
+    )
     assert job == want
     ready = [p.SIGNATURE, p.READY, msgpack.packb(["w0", "tiny", 8, 1, [], 0, 1, {"future": True}])]
     assert _decode("FROM_WORKER", ready).body == p.WorkerInfo("w0", "tiny", 8, 1)
@@ -340,6 +351,7 @@ def test_protocol_error_is_a_rollout_error_with_its_code() -> None:
         ("busy", errors.BusyError),
         ("job_failed", errors.JobFailedError),
         ("cancelled", errors.JobCancelledError),
+        ("stale", errors.StaleRolloutError),
         ("timeout", errors.RolloutTimeoutError),
         ("closed", errors.ClientClosedError),
     ],

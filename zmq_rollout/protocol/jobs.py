@@ -35,6 +35,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STRUCTURED_CHARS = 1 << 16
 MAX_CHOICES = 256
+ON_STALE = ("abort", "restart")
 
 
 class StructuredOutput(Struct):
@@ -177,6 +178,15 @@ class JobSpec(Struct):
     it to the worker that served the session's last turn, whose prefix cache holds its prompt."""
     session_end: bool = False
     """This is the session's last turn: the broker forgets the session once it is dispatched."""
+    max_staleness: int | None = None
+    """At most this many weight versions between the job's oldest token and the fleet when it
+    finishes (a sync committed while it ran); else ``on_stale``. None: no limit. The broker
+    counts a result that crossed a sync without per-token versions as made by the version its
+    worker had at dispatch (never younger than it was)."""
+    on_stale: str = "abort"
+    """With ``max_staleness``: ``"abort"`` answers the job with a ``stale`` error (the client
+    raises ``StaleRolloutError``); ``"restart"`` runs it again from the start on the fleet's
+    weights, at most ``BrokerConfig.max_stale_restarts`` times, then ``stale``."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID):
@@ -199,6 +209,10 @@ class JobSpec(Struct):
             raise ValueError(f"session_id must be a string of 1..{MAX_SESSION_ID} characters")
         if self.session_end and (self.session_end is not True or sid is None):
             raise ValueError("session_end must be a bool, and true only with a session_id")
+        if self.max_staleness is not None:
+            check_int("max_staleness", self.max_staleness, 0, MAX_VERSION)
+        if self.on_stale not in ON_STALE:
+            raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}")
 
     def cost(self) -> int:
         """Credits this job occupies on a worker: one per sequence."""
