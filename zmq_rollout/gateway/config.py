@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from zmq_rollout.config import ClientConfig
 
+WEIGHT_TRANSFER_BACKENDS = ("", "gloo")
+
 
 @dataclass
 class GatewayConfig:
@@ -33,13 +35,26 @@ class GatewayConfig:
     """The broker's public key file, for a broker that requires CurveZMQ (with curve_secret_key)."""
     curve_secret_key: str = ""
     """This gateway's keypair file (NAME.key_secret)."""
+    weight_transfer_backend: str = ""
+    """vLLM's weight-update endpoints (/init_weight_transfer_engine ...): 'gloo' serves them over a
+    gloo group with the trainer (zmq_rollout.integrations.vllm_weights); '' reports no
+    weight-transfer engine, as vLLM without --weight-transfer-config."""
+    weight_transfer_timeout_s: float = 120.0
+    """Seconds each step of a weight update may take on a worker (then it is evicted), the
+    trainer group's timeout, and how long a round begun through those endpoints may wait for the
+    next call before it is aborted."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.port, int) and 0 <= self.port < 65536):
             raise ValueError(f"GatewayConfig.port must be in 0..65535, got {self.port!r}")
         if not (isinstance(self.chat_max_tokens, int) and self.chat_max_tokens >= 1):
             raise ValueError(f"GatewayConfig.chat_max_tokens must be at least 1, got {self.chat_max_tokens!r}")
-        for name in ("timeout_s", "models_ttl_s", "broker_timeout_s", "request_timeout_s"):
+        if self.weight_transfer_backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise ValueError(
+                f"GatewayConfig.weight_transfer_backend must be one of {list(WEIGHT_TRANSFER_BACKENDS)}, "
+                f"got {self.weight_transfer_backend!r} (nccl is not served yet)"
+            )
+        for name in ("timeout_s", "models_ttl_s", "broker_timeout_s", "request_timeout_s", "weight_transfer_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and not math.isnan(value)):
                 raise ValueError(f"GatewayConfig.{name} must be a positive number of seconds, got {value!r}")
