@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -490,6 +491,9 @@ class GlooWorkerDouble(EchoWorkerDouble):
         elif isinstance(op, p.LeaveGroup) and self.group is not None:
             self.group.close()
             self.group = None
+        elif isinstance(op, p.CheckNames):  # a checkpoint with no tensor named bad.*
+            unknown = [n for n in op.names if n.startswith("bad.")]
+            return p.ControlAck(control.round_id, op.kind, True, self.weight_version, "", p.NameCheck(["x"], unknown))
         return super().sync_ack(control)
 
 
@@ -530,6 +534,17 @@ def test_the_trainer_side_broadcasts_what_the_workers_receive(
             assert broker.status().fleet_version == 2
             with pytest.raises(InvalidRequestError, match="complex"):  # refused before anything is sent
                 client.update_named_params([("x", "complex64", [2])], iter([]))
+            # refused by the gateway (a name no checkpoint has) while this side waits in its rendezvous:
+            # the error comes at once, nothing loaded, and the next update meets on a fresh port
+            started = time.monotonic()
+            with pytest.raises(InvalidRequestError, match=r"bad\.weight"):
+                client.update_named_param("bad.weight", sent["model.norm.weight"])
+            assert time.monotonic() - started < 10  # not the group's timeout (20 s)
+            assert workers[0].ops[-3:] == ["begin", "check_names", "abort"]
+            port = client.init.master_port
+            client.update_named_param("model.norm.weight", sent["model.norm.weight"] * 3)
+            assert client.init.master_port != port and client.weight_version == 3
+            assert torch.equal(workers[0].tensors["model.norm.weight"], sent["model.norm.weight"] * 3)
             assert client.reset_prefix_cache() is True
         finally:
             client.close()

@@ -5,8 +5,9 @@
 ``update_model_params``, ``reset_prefix_cache``), through ``zmq-rollout gateway
 --weight-transfer-backend gloo`` (``zmq_rollout.gateway.weight_transfer`` maps the calls onto
 a broker sync round). The trainer is rank 0 of a gloo group with every worker rank: it hosts
-the rendezvous on ``master_address:master_port``, opens the group on a round's first
-broadcast and closes it at the round's end, and broadcasts in vLLM's packed layout
+the rendezvous on ``master_address:master_port`` (by default a fresh free port per update,
+told to the gateway at ``/init_weight_transfer_engine`` before ``/start_weight_update``),
+opens the group on a round's first broadcast and closes it at the round's end, and broadcasts in vLLM's packed layout
 (``zmq_rollout.gateway.weight_bodies.chunks``, the same function the gateway plans with).
 Tensors may live anywhere (gloo sends from host memory; CUDA tensors are copied there).
 
@@ -26,8 +27,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import socket
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zmq_rollout.errors import BrokerUnavailableError, InvalidRequestError, RolloutError, SyncError
 from zmq_rollout.gateway.weight_bodies import (
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["WeightTransferClient"]
+
+T = TypeVar("T")
 
 
 def _raise_for(response: httpx.Response, what: str) -> Any:
@@ -67,8 +71,8 @@ class WeightTransferClient:
     """Weight updates through a zmq-rollout gateway (the module's docstring says how).
 
     ``master_address``: an address of this trainer that every worker can reach;
-    ``master_port``: where it hosts the group's rendezvous (0: a free one, chosen at
-    ``init_communicator``); ``packed``, ``packed_buffer_size_bytes``: vLLM's wire layout;
+    ``master_port``: where it hosts the group's rendezvous (0: a free one, chosen anew for
+    each update); ``packed``, ``packed_buffer_size_bytes``: vLLM's wire layout;
     ``timeout_s``: the group's timeout (keep it at the gateway's ``--weight-transfer-timeout-s``).
     """
 
@@ -108,6 +112,10 @@ class WeightTransferClient:
                 f"the gateway at {self.base_url} serves no gloo weight transfer ({transfer!r}): start it with "
                 "--weight-transfer-backend gloo, and give it workers"
             )
+        self._init_engine()
+
+    def _init_engine(self) -> None:
+        """``/init_weight_transfer_engine`` with the fleet's size now, and a free port unless one was given."""
         port = self.master_port or _free_port(self.master_address)
         self.init = InitInfo(
             self.master_address,
@@ -183,8 +191,13 @@ class WeightTransferClient:
 
     # -- the round -------------------------------------------------------------------------
     def start_weight_update(self) -> None:
+        """Begin an update. With ``master_port=0`` each round meets on a fresh port (a group that
+        never formed, after a refused update, may hold the last one until its timeout), and
+        with the fleet's size at that moment (workers may have come or gone)."""
         if self.init is None:
             raise InvalidRequestError("call init_communicator() first")
+        if not self.master_port:
+            self._init_engine()
         _raise_for(self.http.post("/start_weight_update", json={}), "/start_weight_update")
 
     def finish_weight_update(self, weight_version: int | None = None) -> int:
@@ -205,43 +218,43 @@ class WeightTransferClient:
         limit = self.timeout_s * (len(buckets) + 4)  # the gateway's steps are bounded each by timeout_s
         opening = self.group is None and bool(buckets)  # the gateway has the workers join on a round's first chunk
         listen = socket.create_server((init.master_address, init.master_port)) if opening else None
-        # Not a with-block: leaving must not wait for a group that nobody will join (it times out alone).
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="weight-transfer")
-        try:
-            posted = pool.submit(self.http.post, "/update_weights", json=update.body(), timeout=limit)
-            if listen is not None:
-                self.group = self._open_group(pool, posted, listen)
-            if buckets:
-                group = self.group
-                assert group is not None
-                buf = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8)
-                for bucket in buckets:
-                    tensors = {}
-                    for meta in bucket.tensors:
-                        name, tensor = next(pairs, (None, None))
-                        if name != meta.name or tensor is None:
-                            raise InvalidRequestError(f"tensor {name!r} came where the metadata says {meta.name!r}")
-                        tensors[name] = tensor
+        posted = _in_thread(self.http.post, "/update_weights", json=update.body(), timeout=limit)
+        if listen is not None:
+            self.group = self._open_group(posted, listen)
+        if buckets:
+            group = self.group
+            assert group is not None
+            buf = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8)
+            for bucket in buckets:
+                tensors = {}
+                for meta in bucket.tensors:
+                    name, tensor = next(pairs, (None, None))
+                    if name != meta.name or tensor is None:
+                        raise InvalidRequestError(f"tensor {name!r} came where the metadata says {meta.name!r}")
+                    tensors[name] = tensor
+                try:
                     pack(bucket, tensors, buf)
+                except ValueError as exc:
+                    raise InvalidRequestError(str(exc)) from None
+                try:
                     group.broadcast(buf[: bucket.nbytes], 0)
-            _raise_for(posted.result(), "/update_weights")
-        finally:
-            pool.shutdown(wait=False)
+                except RuntimeError as exc:
+                    raise SyncError(f"broadcast of chunk {bucket.index} failed: {exc}") from exc
+        _raise_for(posted.result(), "/update_weights")
 
-    def _open_group(
-        self, pool: concurrent.futures.Executor, posted: concurrent.futures.Future[Any], listen: socket.socket
-    ) -> CollectiveGroup:
+    def _open_group(self, posted: concurrent.futures.Future[Any], listen: socket.socket) -> CollectiveGroup:
         """Rank 0 of the round's group, formed while the gateway has the workers join; if the
-        gateway answers first (it refused the update), its error, at once."""
+        gateway answers first (it refused the update), its error, at once. The group's thread
+        is a daemon: one that nobody joins times out alone, and never holds up an exit."""
         init = self.init
         assert init is not None
-        made = pool.submit(
+        made = _in_thread(
             CollectiveGroup, init.master_address, init.master_port, 0, init.world_size, "gloo", self.timeout_s,
             GROUP_NAME, True, listen_socket=listen,
         )  # fmt: skip
         done, _ = concurrent.futures.wait([made, posted], return_when=concurrent.futures.FIRST_COMPLETED)
         if made not in done:
-            _raise_for(posted.result(), "/update_weights")  # an error: nobody joins; the group times out alone
+            _raise_for(posted.result(), "/update_weights")  # an error: nobody joins
             raise SyncError("/update_weights answered before the workers joined the group")
         try:
             return made.result()
@@ -252,6 +265,23 @@ class WeightTransferClient:
         group, self.group = self.group, None
         if group is not None:
             group.close()
+
+
+def _in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+    """``fn(*args, **kwargs)`` on a daemon thread (a call blocked in a rendezvous or a request
+    must not hold up the process's exit, as a pool's threads would)."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="weight-transfer", daemon=True).start()
+    return future
 
 
 def _free_port(host: str) -> int:
