@@ -32,7 +32,8 @@ from zmq_rollout.testing import EchoWorkerDouble
 from zmq_rollout.weight_sync.buckets import unpack
 from zmq_rollout.weight_sync.collective import CollectiveGroup
 
-INIT = {"master_address": "10.0.0.9", "master_port": 51216, "rank_offset": 1, "world_size": 3, "packed": True}
+INIT = {"master_address": "10.0.0.9", "master_port": 51216, "rank_offset": 1, "world_size": 3, "packed": True,
+        "check_names": True}  # fmt: skip
 UPDATE = {"names": ["a.weight", "b.weight", "c.bias"], "dtype_names": ["bfloat16", "bfloat16", "float32"],
           "shapes": [[4, 8], [16], [3]]}  # fmt: skip
 
@@ -48,6 +49,8 @@ def test_init_info_takes_vllms_fields_and_refuses_what_gloo_cannot_do() -> None:
     assert info.packed_buffer_size_bytes == 64 and info.backend == "gloo"
     assert InitInfo.parse(info.body(), "gloo") == info  # what the trainer side posts parses back to itself
     assert InitInfo.parse({"init_info": {**INIT, "packed": False}}, "gloo").packed is False
+    vllms = {k: v for k, v in INIT.items() if k != "check_names"}  # what TRL sends: no checkpoint check, as vLLM
+    assert InitInfo.parse({"init_info": vllms}, "gloo").check_names is False
     bad = {
         "init_info": {},
         "init_info.nccl_unique_id_b64": {**INIT, "nccl_unique_id_b64": "AAAA"},
@@ -251,6 +254,20 @@ def test_a_fleet_that_changed_since_init_is_refused_before_anything_loads() -> N
 
     run(main())
     assert broker.ops == ["begin", "abort", "begin", "abort"]
+
+
+def test_without_check_names_the_first_update_joins_at_once() -> None:
+    broker = FakeBroker(unknown=["c.bias"])
+    updates = updates_for(broker)
+
+    async def main() -> None:
+        await updates.init_engine({"init_info": {**INIT, "check_names": False}})
+        await updates.start()
+        await updates.update({"update_info": UPDATE})
+        await updates.finish({})
+
+    run(main())
+    assert broker.ops[:4] == ["begin", "join_group", "begin_update", "receive_bucket"]
 
 
 def test_names_the_checkpoint_lacks_end_the_round_before_loading() -> None:
@@ -512,7 +529,7 @@ def test_the_trainer_side_broadcasts_what_the_workers_receive(
             "model.layers.0.mlp.up_proj.weight": torch.randn(32, 16, generator=g).to(torch.bfloat16),
             "model.norm.weight": torch.randn(16, generator=g).to(torch.bfloat16),
         }
-        client = WeightTransferClient(url, packed_buffer_size_bytes=2048, timeout_s=20)
+        client = WeightTransferClient(url, packed_buffer_size_bytes=2048, timeout_s=20, check_names=True)
         try:
             client.init_communicator()
             assert client.init is not None and client.init.world_size == 3

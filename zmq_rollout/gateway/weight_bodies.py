@@ -6,7 +6,9 @@ The bodies are vLLM 0.32's (``vllm/distributed/weight_transfer/nccl_common.py``
 - ``init_info``: ``master_address``, ``master_port`` (the trainer, rank 0, hosts the
   rendezvous there), ``rank_offset`` (the first worker rank: 1), ``world_size`` (the trainer
   and every worker rank), ``packed``, ``packed_buffer_size_bytes``, ``packed_num_buffers``;
-  and ours: ``backend`` (``"gloo"``), which a trainer may send to say what it speaks.
+  and ours: ``backend`` (``"gloo"``), which a trainer may send to say what it speaks, and
+  ``check_names`` (false), to have each update's names checked against the workers'
+  checkpoints before anything loads.
 - ``update_info``: ``names``, ``dtype_names`` (``"bfloat16"``), ``shapes``, in the order the
   trainer broadcasts them (vLLM before 0.28 also took ``packed`` here).
 
@@ -32,7 +34,7 @@ GROUP_NAME = "zr-vllm-weights"
 """The keys of the group's rendezvous (a ``PrefixStore`` in the trainer's ``TCPStore``)."""
 INIT_KEYS = frozenset(
     {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
-     "packed_buffer_size_bytes", "packed_num_buffers", "backend"}
+     "packed_buffer_size_bytes", "packed_num_buffers", "backend", "check_names"}
 )  # fmt: skip
 
 
@@ -70,6 +72,9 @@ class InitInfo:
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     backend: str = "gloo"
+    check_names: bool = False
+    """Ours: an update's names are first compared with the workers' checkpoints (off, as vLLM:
+    a trainer may send names the engine maps, which a checkpoint check would refuse)."""
 
     @classmethod
     def parse(cls, body: Any, backend: str) -> InitInfo:
@@ -112,6 +117,7 @@ class InitInfo:
             ),
             packed_num_buffers=_int(info, "packed_num_buffers", 1, 64, DEFAULT_PACKED_NUM_BUFFERS),
             backend=backend,
+            check_names=_bool(info, "check_names", "init_info", False),
         )
 
     def body(self) -> dict[str, Any]:

@@ -184,7 +184,8 @@ class WeightUpdates:
                 return {"message": "Weights updated"}
             try:
                 if not self.began:
-                    await self._check_names(rnd, update.names)
+                    if init.check_names:
+                        await self._check_names(rnd, update.names)
                     await rnd.step(p.JoinGroup(init.master_address, init.master_port, init.backend,
                                                self.timeout_s, GROUP_NAME))  # fmt: skip
                     self.joined = True

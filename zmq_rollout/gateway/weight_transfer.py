@@ -21,11 +21,12 @@ vLLM endpoint                                   here
                                                 world size + 1, ``packed``...); no round, no pause
 ``POST /start_weight_update``                   ``begin`` (pause ``wait``; nothing if ``/pause`` opened the round);
                                                 409 if the fleet's ranks no longer make ``world_size``
-``POST /update_weights``                        the round's first: ``check_names`` (names the checkpoint lacks:
-                                                400 and abort, nothing loaded), ``join_group`` (every worker rank
-                                                joins the trainer's group at ``master_address:master_port``),
-                                                ``begin_update``; then one ``receive_bucket`` per broadcast, in
-                                                vLLM's packed layout (``weight_bodies.chunks``)
+``POST /update_weights``                        the round's first: [``check_names`` if ``init_info`` asked for it
+                                                (names a checkpoint lacks: 400 and abort, nothing loaded)],
+                                                ``join_group`` (every worker rank joins the trainer's group at
+                                                ``master_address:master_port``), ``begin_update``; then one
+                                                ``receive_bucket`` per broadcast, in vLLM's packed layout
+                                                (``weight_bodies.chunks``)
 ``POST /finish_weight_update``                  ``leave_group``, ``finish_update``, ``commit``: version
                                                 ``weight_version`` (an integer) or the fleet's + 1; answered with
                                                 it, and the workers updated and evicted

@@ -73,7 +73,10 @@ class WeightTransferClient:
     ``master_address``: an address of this trainer that every worker can reach;
     ``master_port``: where it hosts the group's rendezvous (0: a free one, chosen anew for
     each update); ``packed``, ``packed_buffer_size_bytes``: vLLM's wire layout;
-    ``timeout_s``: the group's timeout (keep it at the gateway's ``--weight-transfer-timeout-s``).
+    ``timeout_s``: the group's timeout (keep it at the gateway's ``--weight-transfer-timeout-s``);
+    ``check_names``: the gateway compares each update's names with the workers' checkpoints
+    before anything loads (a mismatch is an ``InvalidRequestError`` and the fleet serves on;
+    without it, a name the engine cannot load fails the round mid-load).
     """
 
     def __init__(
@@ -85,13 +88,14 @@ class WeightTransferClient:
         packed: bool = True,
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
         timeout_s: float = 120.0,
+        check_names: bool = False,
     ) -> None:
         import httpx
 
         self.base_url = base_url.rstrip("/")
         self.master_address, self.master_port = master_address, master_port
         self.packed, self.packed_buffer_size_bytes = packed, packed_buffer_size_bytes
-        self.timeout_s = timeout_s
+        self.timeout_s, self.check_names = timeout_s, check_names
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
         self.init: InitInfo | None = None
         self.group: CollectiveGroup | None = None
@@ -123,6 +127,7 @@ class WeightTransferClient:
             self.get_world_size() + 1,
             packed=self.packed,
             packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+            check_names=self.check_names,
         )
         answer = self.http.post("/init_weight_transfer_engine", json=self.init.body())
         _raise_for(answer, "/init_weight_transfer_engine")
