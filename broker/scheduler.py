@@ -545,6 +545,7 @@ class Scheduler:
                 round(now - w.last_seen, 3),
                 list(w.info.capabilities),
                 w.info.max_model_len,
+                w.info.num_ranks,
             )
             for w in self.workers.values()
         ]

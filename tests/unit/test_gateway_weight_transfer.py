@@ -19,8 +19,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import zmq
 from helpers import poll_until
 
+from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.errors import BrokerUnavailableError, InvalidRequestError, SyncError
 from zmq_rollout.gateway import GatewayConfig
@@ -149,7 +151,8 @@ class FakeBroker:
     async def status(self) -> p.StatusReply:
         if self.lost:
             raise BrokerUnavailableError("the broker has not answered for 30 s")
-        workers = [p.WorkerStatus(w, "ready", "tiny", 4, 0, self.fleet_version, 0.1, [], 64) for w in self.workers]
+        workers = [p.WorkerStatus(w, "ready", "tiny", 4, 0, self.fleet_version, 0.1, [], 64, ranks)
+                   for w, ranks in self.workers.items()]  # fmt: skip
         return p.StatusReply(workers, [], 0, self.running, self.fleet_version)
 
 
@@ -247,10 +250,9 @@ def test_a_fleet_that_changed_since_init_is_refused_before_anything_loads() -> N
         broker.workers["w3"] = 1  # a worker joined
         assert await raises(updates.start()) == 409
         assert updates.phase == "idle"
-        broker.workers = {"w1": 2, "w2": 1}  # a tensor-parallel pair: learned from begin, counted from then on
-        assert await updates.world_size() == 2
-        assert await raises(updates.start()) == 409
+        broker.workers = {"w1": 2, "w2": 1}  # a tensor-parallel pair
         assert await updates.world_size() == 3 and await updates.world_size(include_dp=False) == 2
+        assert await raises(updates.start()) == 409
 
     run(main())
     assert broker.ops == ["begin", "abort", "begin", "abort"]
@@ -471,6 +473,21 @@ def test_http_endpoints_drive_a_round_on_worker_doubles(
     assert error_of(http.post("/pause", params={"mode": "later"}), 400)["param"] == "mode"
     assert http.post("/resume").json() == {"status": "resumed"}
     assert broker.status().fleet_version == 5
+
+
+def test_http_world_size_counts_every_rank_the_workers_announce(
+    start_broker: Any, start_double: Any, start_gateway: Any, raw_socket: Any
+) -> None:
+    broker = start_broker(worker_liveness=1000)  # the hand-made worker below sends no heartbeat
+    start_double(broker)
+    pair = raw_socket(zmq.DEALER)  # an engine of tensor parallelism 2, as its READY says
+    pair.connect(broker.backend)
+    pair.send_multipart(codec.encode(p.READY, p.WorkerInfo("tp-pair", "echo-double", 8, num_ranks=2)))
+    poll_until(lambda: broker.has_worker("tp-pair"), what="the pair to register")
+    assert sorted(w.num_ranks for w in broker.status().workers) == [1, 2]  # STATUS carries them
+    url = start_gateway(broker.frontend, weight_transfer_backend="gloo")
+    assert httpx.get(f"{url}/get_world_size").json() == {"world_size": 3}
+    assert httpx.get(f"{url}/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 2}
 
 
 def test_http_weight_endpoints_without_a_broker_are_503(start_gateway: Any) -> None:

@@ -87,8 +87,6 @@ class WeightUpdates:
         """The members are in the trainer's group (the round's first non-empty ``/update_weights``)."""
         self.began = False
         """``begin_update`` went out: from here an abort restarts the members."""
-        self.ranks: dict[str, int] = {}
-        """Ranks each worker brought to the rounds seen (its tensor-parallel size)."""
         self.version: int | None = None
         """The last version committed here."""
         self._lock = asyncio.Lock()
@@ -105,7 +103,7 @@ class WeightUpdates:
 
     async def world_size(self, include_dp: bool = True) -> int:
         """The fleet's ranks (every engine's; ``include_dp=False``: one engine's, as vLLM)."""
-        ranks = [self.ranks.get(w.name, 1) for w in (await self.status()).workers]
+        ranks = [w.num_ranks for w in (await self.status()).workers]
         return sum(ranks) if include_dp else max(ranks, default=0)
 
     async def server_info(self) -> dict[str, Any]:
@@ -292,7 +290,6 @@ class WeightUpdates:
             raise
         self.round, self.phase, self.pause_mode = rnd, PAUSED, pause
         self.joined = self.began = False
-        self.ranks.update(rnd.ranks)
         if self._watch is None or self._watch.done():
             self._watch = asyncio.ensure_future(self._watchdog())
 

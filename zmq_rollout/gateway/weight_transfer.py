@@ -11,8 +11,8 @@ calls update every worker of the fleet:
 ==============================================  =================================================================
 vLLM endpoint                                   here
 ==============================================  =================================================================
-``GET /get_world_size``                         the fleet's ranks: each worker's tensor-parallel size (1 until a
-                                                round has shown it), summed; ``include_dp=false``: one engine's
+``GET /get_world_size``                         the fleet's ranks: every worker's tensor-parallel size, summed
+                                                (``include_dp=false``: one engine's)
 ``GET /server_info``                            ``vllm_config``: the model, and ``weight_transfer_config``
                                                 (``{"backend": "gloo"}``) only if the gateway was started with
                                                 ``--weight-transfer-backend gloo`` and has workers; else ``null``

@@ -51,6 +51,8 @@ class WorkerStatus(Struct):
     """What it said it can do in its READY (``generate``, ``lora``, ``weight_sync:shm`` ...)."""
     max_model_len: int = 0
     """Its engine's longest prompt + completion, in tokens."""
+    num_ranks: int = 1
+    """Ranks it brings to a weight-sync collective (its tensor-parallel size), as its READY said."""
 
 
 class ClientStatus(Struct):
