@@ -354,15 +354,18 @@ def test_pause_and_resume_hold_a_round_and_an_update_can_use_it() -> None:
         await updates.init_engine({"init_info": INIT})
         await updates.pause("abort")
         await updates.start()  # the paused round becomes the update's: no second begin
-        assert await raises(updates.resume()) == 409
         await updates.update({"update_info": UPDATE})
+        assert await raises(updates.resume()) == 409  # loading began: only finishing ends it
         await updates.finish({})
+        await updates.start()
+        assert await updates.resume() == {"status": "resumed"}  # a trainer giving up before loading
+        assert updates.phase == "idle"
         assert await updates.resume() == {"status": "resumed"}  # commit resumed already
 
     run(main())
     begins = [s.op for s in broker.steps if isinstance(s.op, p.Begin)]
-    assert [b.pause for b in begins] == ["keep", "abort"]
-    assert broker.ops.count("abort") == 1 and broker.ops[-1] == "commit"
+    assert [b.pause for b in begins] == ["keep", "abort", "wait"]
+    assert broker.ops[-3:] == ["commit", "begin", "abort"] and broker.ops.count("abort") == 2
 
 
 def test_reset_prefix_cache_is_a_round_or_false_while_jobs_run() -> None:
@@ -580,6 +583,11 @@ def test_the_trainer_side_broadcasts_what_the_workers_receive(
             assert client.init.master_port != port and client.weight_version == 3
             assert torch.equal(workers[0].tensors["model.norm.weight"], sent["model.norm.weight"] * 3)
             assert client.reset_prefix_cache() is True
+            with pytest.raises(RuntimeError, match="trainer broke"), client.weight_update():
+                raise RuntimeError("the trainer broke before sending anything")
+            status = broker.status()  # the round ended at once (/resume), not at the gateway's timeout
+            assert {w.state for w in status.workers} == {"ready"} and status.fleet_version == 3
+            assert workers[0].ops[-2:] == ["begin", "abort"]
         finally:
             client.close()
     finally:

@@ -234,11 +234,13 @@ class WeightUpdates:
         return {"status": "paused"}
 
     async def resume(self) -> dict[str, Any]:
+        """End a held round without a version: one ``/pause`` opened, or an update that has
+        loaded nothing yet (a trainer giving up). Once loading began, only finishing ends it."""
         async with self._call():
-            if self.phase == UPDATING:
-                raise OpenAIError("a weight update is in progress: /finish_weight_update resumes the fleet "
-                                  "(resuming now would serve half-loaded weights)", status=409)  # fmt: skip
-            if self.phase == PAUSED:
+            if self.began:
+                raise OpenAIError("a weight update is loading: /finish_weight_update resumes the fleet (resuming "
+                                  "now would serve half-loaded weights)", status=409)  # fmt: skip
+            if self.phase != IDLE:
                 await self._abort()
         return {"status": "resumed"}
 

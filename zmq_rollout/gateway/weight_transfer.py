@@ -31,8 +31,9 @@ vLLM endpoint                                   here
                                                 ``weight_version`` (an integer) or the fleet's + 1; answered with
                                                 it, and the workers updated and evicted
 ``POST /pause?mode=abort|wait|keep``            ``begin`` in that mode, held until ``/resume`` or a weight update
-``POST /resume``                                ``abort`` of a round ``/pause`` opened (weights untouched); nothing
-                                                after a finished update (``commit`` resumed); 409 mid-update
+``POST /resume``                                ``abort`` of a round ``/pause`` opened, or of an update that has
+                                                loaded nothing yet (weights untouched); nothing after a finished
+                                                update (``commit`` resumed); 409 once loading began
 ``POST /reset_prefix_cache``                    a round ends by clearing every worker's prefix cache (not in
                                                 ``keep``): inside one, ``{"success": true}``; outside, a
                                                 ``begin(abort)`` + ``abort`` round, or ``false`` while jobs run
@@ -60,7 +61,7 @@ is never cut between two steps.
 
 **Errors** (vLLM's ``ErrorResponse``): a body, name, dtype, shape or version refused: 400
 naming the field; a call out of turn (update or finish without start): 400; another round
-running, a fleet changed since init, resume mid-update: 409; the broker gone: 503; a step that
+running, a fleet changed since init, resume while loading: 409; the broker gone: 503; a step that
 failed on a worker: 500 (the round aborted).
 """
 

@@ -140,7 +140,7 @@ class WeightTransferClient:
         try:
             yield
         except BaseException:
-            self._close_group()  # the gateway aborts the round: by a failed call, or by its timeout
+            self._give_up()
             raise
         finally:
             self._updating = False
@@ -171,7 +171,10 @@ class WeightTransferClient:
         try:
             self._send(update, buckets, iter(named_params))
         except BaseException:
-            self._close_group()
+            if own:
+                self._give_up()
+            else:
+                self._close_group()
             raise
         if own:
             self.finish_weight_update()
@@ -265,6 +268,14 @@ class WeightTransferClient:
             return made.result()
         except RuntimeError as exc:
             raise SyncError(f"the trainer could not form the weight-transfer group: {exc}") from exc
+
+    def _give_up(self) -> None:
+        """Leave an update that will not be finished: the group closes, and ``/resume`` ends the
+        round at once if nothing was loaded yet (else the gateway aborts it: the failed call
+        did, or its timeout will)."""
+        self._close_group()
+        with contextlib.suppress(RolloutError, OSError, ValueError):
+            self.http.post("/resume")
 
     def _close_group(self) -> None:
         group, self.group = self.group, None
