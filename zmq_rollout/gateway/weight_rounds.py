@@ -184,9 +184,7 @@ class WeightUpdates:
                 if not self.began:
                     if init.check_names:
                         await self._check_names(rnd, update.names)
-                    await rnd.step(p.JoinGroup(init.master_address, init.master_port, init.backend,
-                                               self.timeout_s, GROUP_NAME))  # fmt: skip
-                    self.joined = True
+                    await self._join(rnd, init)
                     await rnd.step(p.BeginUpdate(True))
                     self.began = True
                 for bucket in buckets:
@@ -207,8 +205,7 @@ class WeightUpdates:
                 raise BadBody(f"weight_version must be above the fleet's {rnd.fleet_version} (and at most "
                               f"{p.MAX_VERSION}), got {target}", "weight_version")  # fmt: skip
             try:
-                if self.joined:
-                    await rnd.step(p.LeaveGroup())
+                await self._leave(rnd)
                 if self.began:
                     await rnd.step(p.FinishUpdate())
                 await rnd.step(p.Commit(target))
@@ -294,6 +291,21 @@ class WeightUpdates:
         self.joined = self.began = False
         if self._watch is None or self._watch.done():
             self._watch = asyncio.ensure_future(self._watchdog())
+
+    # The backend's part: when the members meet the trainer's group. gloo (ours): per round,
+    # joined before loading begins (a trainer that never comes fails the join, and the workers
+    # resume intact) and left before finishing. vLLM's NCCL (TRL's own client, not served yet):
+    # a group made once at /init_weight_transfer_engine with a worker step that joins vLLM's
+    # StatelessProcessGroup + PyNcclCommunicator, so these two would do nothing per round.
+    async def _join(self, rnd: SyncRound, init: InitInfo) -> None:
+        op = p.JoinGroup(init.master_address, init.master_port, init.backend, self.timeout_s, GROUP_NAME)
+        await rnd.step(op)
+        self.joined = True
+
+    async def _leave(self, rnd: SyncRound) -> None:
+        if self.joined:
+            await rnd.step(p.LeaveGroup())
+            self.joined = False
 
     async def _check_names(self, rnd: SyncRound, names: list[str]) -> None:
         """Refuse names a worker's checkpoint lacks while nothing is loaded yet (else the whole

@@ -47,10 +47,12 @@ in the group too), and leave it at ``/finish_weight_update``: the trainer opens 
 the group (rank 0, hosting the rendezvous on ``master_port``) on its first broadcast of a
 round and closes it after the last. The backend is **gloo**: our ``CollectiveGroup`` (a
 ``TCPStore`` + ``ProcessGroupGloo``) and the workers' existing receivers; the trainer's side
-is ``zmq_rollout.integrations.vllm_weights.WeightTransferClient`` (TRL's weight methods, over
-gloo, CPU tensors; it runs on CPU end to end). TRL's own ``VLLMClient`` speaks NCCL through
-vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator`` and is not served yet: it needs a
-worker step that joins that group at init (a ``WeightUpdates`` backend, and two GPUs to test it).
+is ``zmq_rollout.integrations.vllm_weights.WeightTransferClient`` (TRL's weight methods over
+gloo; it runs on CPU end to end). TRL's own ``VLLMClient`` speaks NCCL through vLLM's
+``StatelessProcessGroup`` + ``PyNcclCommunicator`` and is not served yet: it needs a worker
+step that joins that group at init (``WeightUpdates._join`` / ``_leave`` say where it goes;
+the bodies, the layout and the round stay) and two GPUs to test it. Pointed at a gateway with
+gloo on, it would wait in its NCCL rendezvous for workers that never come: keep it off there.
 
 **Ending rounds.** A step that fails aborts the round (workers resume; those that had begun
 loading restart from their checkpoint, as after any aborted round), so does a round left
