@@ -93,12 +93,14 @@ def next_sync_reaches_every_worker(cluster: LocalCluster, client: RolloutClient,
 def test_broker_restarted_while_begin_drains_a_job(cluster: LocalCluster, tiny_model: str) -> None:
     """``pause="wait"``: ``begin`` waits for a long job to finish, so the round is surely in its
     first step when the broker goes. No weight was touched: the workers resume their old
-    weights (same greedy tokens as before), none exits, the long job finishes once."""
+    weights (same greedy tokens as before), none exits, the long job finishes once. The job
+    is 16 samples of 1,000 tokens: together they take each other's engine steps, so it runs
+    for seconds even on a fast machine (one sample alone once finished before the round began)."""
     model = trained_model(tiny_model, 21)
     with RolloutClient(cluster.address, **CLIENT) as client:
         before = client.generate(SYNC_PROMPTS, SYNC_GREEDY)
         version = client.status().fleet_version
-        long = client.submit([5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True))
+        long = client.submit([5, 6, 7], SamplingParams(n=16, max_tokens=1000, ignore_eos=True))
         poll_until(lambda: cluster.status().running == 1, 60, "the long job to run")
         thread, outcome = sync_in_thread(client, model, transport="shm", pause="wait")
         poll_until(lambda: {w.state for w in cluster.status().workers} == {"syncing"}, 30, "the round to begin")
@@ -113,8 +115,8 @@ def test_broker_restarted_while_begin_drains_a_job(cluster: LocalCluster, tiny_m
         same = sum(a.token_ids == b.token_ids for a, b in zip(after, before, strict=True))
         assert same >= len(SYNC_PROMPTS) - 1, same  # the old weights (a bf16 near tie may part one)
         assert {r.weight_version for r in after} == {version}
-        (rollout,) = long.result(timeout=300)  # resubmitted to the new broker, answered once
-        assert len(rollout.token_ids) == 1000
+        rollouts = long.result(timeout=300)  # resubmitted to the new broker, answered once
+        assert [len(r.token_ids) for r in rollouts] == [1000] * 16
         next_sync_reaches_every_worker(cluster, client, model)
 
 

@@ -160,10 +160,12 @@ def test_sync_mid_episode_every_pause_mode(
     cluster: LocalCluster, tiny_model: str, prompt_log: Path, pause: str
 ) -> None:
     """Episodes keep running through update_weights; each turn's tokens carry the version that
-    made them (old turns before the sync, new after), and the trajectories stay exact."""
+    made them (old turns before the sync, new after), and the trajectories stay exact. Six
+    turns of 80 tokens: the episodes outlast the sync even on a fast machine (with four of 48
+    they once all ended before it committed)."""
     model = trained_model(tiny_model, {"abort": 11, "wait": 12, "keep": 13}[pause])
     start = len(logged(prompt_log))
-    sampling = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True)
+    sampling = SamplingParams(temperature=1.0, max_tokens=80, ignore_eos=True)
     out: dict[str, Any] = {}
 
     async def main() -> None:
@@ -176,7 +178,7 @@ def test_sync_mid_episode_every_pause_mode(
                     [f"{i} " for i in range(6)],
                     sampling,
                     tokenizer=tiny_model,
-                    env_kwargs={"turns": 4},
+                    env_kwargs={"turns": 6},
                 )
             )
             await asyncio.to_thread(
@@ -189,7 +191,7 @@ def test_sync_mid_episode_every_pause_mode(
     got: list[Trajectory] = out["got"]
     old, new = out["old"], out["new"]
     assert new == old + 1
-    assert [t.finish_reason for t in got] == ["done"] * 6 and all(t.num_turns == 4 for t in got)
+    assert [t.finish_reason for t in got] == ["done"] * 6 and all(t.num_turns == 6 for t in got)
     check_exact(got, prompt_log)
     for t in got:
         made = [v for v, m in zip(t.weight_versions, t.loss_mask, strict=True) if m]
