@@ -135,7 +135,7 @@ class Fleet:
 
     def start_worker(self, name: str, metrics_port: int) -> None:
         from zmq_rollout.config import WorkerConfig
-        from zmq_rollout.local import LOCAL_WORKER_DEFAULTS
+        from zmq_rollout.local import LOCAL_WORKER_DEFAULTS, make_nicer
         from zmq_rollout.workers.main import worker_command
 
         config = WorkerConfig(
@@ -148,7 +148,7 @@ class Fleet:
             curve_secret_key=str(self.worker_secret),
             **LOCAL_WORKER_DEFAULTS,
         )
-        self._spawn(name, worker_command(config))
+        make_nicer(self._spawn(name, worker_command(config)).pid, 10)  # as LocalCluster's: the broker keeps its CPU
 
     def client(self, name: str, **overrides: Any) -> Any:
         from zmq_rollout.blocking import RolloutClient
