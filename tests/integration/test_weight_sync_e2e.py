@@ -17,9 +17,18 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import poll_until
 from model_helpers import SYNC_GREEDY, SYNC_PROMPTS, hf_greedy, hf_logprobs, trained_model
 
-from zmq_rollout import AsyncRolloutClient, Rollout, RolloutClient, SamplingParams, TokenDelta
+from zmq_rollout import (
+    AsyncRolloutClient,
+    Rollout,
+    RolloutClient,
+    SamplingParams,
+    StaleRolloutError,
+    StreamRestarted,
+    TokenDelta,
+)
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.local import LocalCluster
@@ -133,9 +142,11 @@ def test_cuda_ipc_without_cuda_aborts_the_round_and_leaves_the_fleet_serving(
 
 
 def sync_during_jobs(client: RolloutClient, model: Any, pause: str) -> tuple[Any, list[Rollout], Rollout]:
-    """Six unstreamed jobs and one streamed canary, and a sync that begins once the canary
-    has a token: (report, the six rollouts, the canary's rollout)."""
-    sampling = [SamplingParams(max_tokens=LONG, seed=100 + i, ignore_eos=True) for i in range(6)]
+    """Six unstreamed jobs of 4 samples and one streamed canary, and a sync that begins once the
+    canary has a token: (report, the first rollout of each of the six, the canary's rollout).
+    The 24 samples beside it slow the canary's engine steps: it outlasts the sync's start even
+    on a fast machine (beside six single samples it once finished first in 4 attempts)."""
+    sampling = [SamplingParams(n=4, max_tokens=LONG, seed=100 + i, ignore_eos=True) for i in range(6)]
     futures = [client.submit([i + 3, 7, 9], s) for i, s in enumerate(sampling)]
     canary = client.stream([5, 5, 1], SamplingParams(max_tokens=LONG, ignore_eos=True))
     before = [next(canary)]  # the canary is generating
@@ -179,6 +190,43 @@ def test_pause_modes_with_jobs_in_flight(client: RolloutClient, tiny_model: str,
         assert unstreamed_spans == []
     else:  # abort: cut short and continued; per-token versions show the switch exactly
         assert streamed.weight_versions[0] == old and streamed.weight_version == report.version  # type: ignore[index]
+
+
+def test_max_staleness_restarts_or_fails_a_job_that_crossed_a_sync(
+    cluster: LocalCluster, client: RolloutClient, tiny_model: str
+) -> None:
+    """``max_staleness=0`` on single jobs that a sync (pause ``abort``: cut, then continued on
+    the new weights, with exact per-token versions) catches mid-generation: the streamed one
+    (``on_stale="restart"``) says StreamRestarted and ends wholly on the new version; the other
+    (``"abort"``) raises StaleRolloutError naming the versions. An attempt where a job ended
+    before the pause shows nothing and is made again (at most 4)."""
+    model = trained_model(tiny_model, 8)
+    sampling = SamplingParams(max_tokens=LONG, ignore_eos=True)
+    restarts_before = cluster.status().totals.requeued
+    for attempt in range(4):
+        old = client.status().fleet_version
+        stream = client.stream([4, 4, 2], sampling, max_staleness=0, on_stale="restart")
+        first = next(stream)  # generating
+        strict = client.submit([4, 4, 3], sampling, max_staleness=0)
+        poll_until(lambda: cluster.status().running >= 2, 60, "both jobs to run")
+        report = client.update_weights(model, pause="abort", timeout_s=120)
+        items = [first, *stream]
+        try:
+            strict.result(timeout=300)
+            stale = None
+        except StaleRolloutError as exc:
+            stale = exc
+        restarted = [i for i, item in enumerate(items) if isinstance(item, StreamRestarted)]
+        if restarted and stale is not None:
+            break
+        print(f"attempt {attempt}: a job finished before the pause (restarted={bool(restarted)}, stale={stale})")
+    assert restarted and stale is not None, "in 4 attempts the sync never caught both jobs mid-generation"
+    *deltas, final = items[restarted[-1] + 1 :]
+    assert isinstance(final, Rollout) and all(isinstance(d, TokenDelta) for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids and len(final.token_ids) == LONG
+    assert final.weight_version == report.version == old + 1 and final.weight_versions is None  # no old token
+    assert f"fleet {report.version}" in str(stale) and "max_staleness is 0" in str(stale)
+    assert cluster.status().totals.requeued == restarts_before  # a restart is not a lost worker's requeue
 
 
 class ObservedGloo(CollectiveTransport):
