@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -28,12 +28,12 @@ from zmq_rollout.gateway import responses as out
 from zmq_rollout.gateway import swift, weight_transfer
 from zmq_rollout.gateway.config import GatewayConfig
 from zmq_rollout.gateway.openai_protocol import Jobs, OpenAIError, OpenAIRequest, parse_chat, parse_completion
+from zmq_rollout.gateway.routes import ClientGone, disconnected, unless_gone
 from zmq_rollout.gateway.streaming import ChunkBuilder, StreamBroken
 from zmq_rollout.metrics import TEXT_FORMAT
 from zmq_rollout.rollouts import Prompt, Rollout, StreamRestarted, TokenDelta
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _json = msgspec.json.Encoder()
 CLIENT_GONE = 499
 """Counted for a request whose HTTP client went away before its answer (nginx's code)."""
@@ -65,31 +65,6 @@ def _sse(chunk: Any) -> bytes:
     return b"data: " + _json.encode(chunk) + b"\n\n"
 
 
-class _ClientGone(Exception):
-    pass
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
-    """``await work``, cancelled (and its jobs with it) if the HTTP client goes away first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise _ClientGone
-    return task.result()
-
-
 class _EventStream(StreamingResponse):
     """Server-sent events that stop, closing their generator (which cancels the jobs), as soon
     as the HTTP client goes away, whether or not a chunk is on its way: under any ASGI server
@@ -101,7 +76,7 @@ class _EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.ensure_future(self.stream_response(send))
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(disconnected(receive))
         try:
             await asyncio.wait({streaming, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -225,7 +200,7 @@ class Gateway:
         if req.stream:
             return await self._stream(request, chat, model, jobs, token_ids, req.include_usage())
         assert self.client is not None
-        rollouts: list[Rollout] = await _unless_gone(
+        rollouts: list[Rollout] = await unless_gone(
             request, self.client.generate(jobs.prompts, jobs.sampling, timeout_s=self.config.timeout_s)
         )
         if chat:
@@ -240,7 +215,7 @@ class Gateway:
         assert self.client is not None
         merged = _Merged(self.client, jobs.prompts, jobs)
         try:  # the status code waits for the first item: a refused job is a 400 or 429, not an event
-            first = await _unless_gone(request, asyncio.wait_for(merged.next(), self.config.timeout_s))
+            first = await unless_gone(request, asyncio.wait_for(merged.next(), self.config.timeout_s))
         except BaseException:
             await merged.close()
             raise
@@ -305,7 +280,7 @@ def create_app(config: GatewayConfig | None = None) -> FastAPI:
         start = time.perf_counter()
         try:
             response = await work
-        except _ClientGone:
+        except ClientGone:
             gateway.requests.labels(endpoint, str(CLIENT_GONE)).inc()
             return Response(status_code=CLIENT_GONE)
         except Exception as exc:

@@ -151,7 +151,7 @@ class Jobs:
     token's only."""
 
 
-def _validation_error(exc: pydantic.ValidationError) -> OpenAIError:
+def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
     """vLLM's answer to a request its pydantic model refuses (a 400, type ``Bad Request``)."""
     errors = exc.errors(include_url=False, include_input=False)
     loc = [str(x) for x in (errors[0]["loc"] if errors else ()) if not any(c in str(x) for c in "[]()")]
@@ -164,7 +164,7 @@ def _parse(model: type[OpenAIRequest], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except pydantic.ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
 
 
 SURFACE_NUMBERS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")

@@ -11,10 +11,9 @@ no multimodal cache.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -23,12 +22,10 @@ from fastapi.responses import Response
 from zmq_rollout import errors
 from zmq_rollout.client import AsyncRolloutClient
 from zmq_rollout.gateway.openai_protocol import OpenAIError
-from zmq_rollout.gateway.routes import Answer, GatewayState
+from zmq_rollout.gateway.routes import Answer, GatewayState, unless_gone
 from zmq_rollout.gateway.swift_protocol import ENGINE_TYPE, infer_response, parse_infer
 
-T = TypeVar("T")
 _json = msgspec.json.Encoder()
-CLIENT_GONE = 499
 
 WEIGHT_SYNC = (
     ("GET", "/get_model_state_keys/"),
@@ -70,36 +67,13 @@ def _client(gateway: GatewayState) -> AsyncRolloutClient:
     return gateway.client
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[T] | None:
-    """``(await work,)``, or None (``work`` cancelled, and its jobs with it) if the HTTP client
-    goes away first: a trainer that dies leaves no batch of rollouts running."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else (task.result(),)
-
-
 async def infer(gateway: GatewayState, request: Request) -> Response:
     jobs = parse_infer(await request.body(), gateway.config.chat_max_tokens)
     if not jobs.prompts:
         return _ok([])
     model = await gateway.model_name(None)
     run = _client(gateway).generate(jobs.prompts, jobs.sampling, timeout_s=gateway.config.timeout_s)
-    done = await _unless_gone(request, run)
-    if done is None:
-        return Response(status_code=CLIENT_GONE)
-    return _ok(infer_response(done[0], model, jobs))
+    return _ok(infer_response(await unless_gone(request, run), model, jobs))
 
 
 async def world_size(gateway: GatewayState) -> Response:

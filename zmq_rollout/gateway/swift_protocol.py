@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 
 from zmq_rollout import protocol as p
 from zmq_rollout.gateway import responses as out
-from zmq_rollout.gateway.openai_protocol import OpenAIError, _validation_error
+from zmq_rollout.gateway.openai_protocol import OpenAIError, validation_error
 from zmq_rollout.rollouts import Rollout
 
 ENGINE_TYPE = "AsyncLLMEngine"
@@ -223,7 +223,7 @@ def parse_infer(body: bytes, default_max_tokens: int) -> InferJobs:
     try:
         req = InferBody.model_validate_json(body)
     except pydantic.ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
     _refuse_unknown(req, "")
     if req.adapter_request is not None:
         raise _refuse("adapter_request", "LoRA adapters are not served through /infer/ (the base model only)")
