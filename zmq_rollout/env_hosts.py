@@ -267,6 +267,8 @@ class ProcessEnvs:
         proc.pending[rid] = _Request(future, key, op, timeout_s)
         try:
             proc.conn.send((rid, op, key, arg, timeout_s))
+        except OSError:
+            pass  # the process died: its reader sees the end of the pipe, and ``_died`` answers this
         except Exception as exc:
             proc.pending.pop(rid, None)
             raise EnvironmentFailedError(f"the environment's {op} could not be sent: {_describe(exc)}") from exc

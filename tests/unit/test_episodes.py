@@ -110,7 +110,7 @@ def test_environment_process_that_dies_fails_its_episode_others_start_over(
     ok, dies = episodes(broker, "scripted", samples, processes=1, step_timeout_s=5.0)
     assert dies.finish_reason == "error" and "step failed: its process died" in (dies.error or ""), dies.error
     assert dies.restarts == 0 and dies.num_turns == 2
-    assert (ok.finish_reason, ok.num_turns, ok.restarts) == ("done", 3, 1)
+    assert (ok.finish_reason, ok.num_turns, ok.restarts) == ("done", 3, 1), ok.error
     check_exact(ok, received_prompts(double))
 
 
