@@ -113,6 +113,7 @@ class Worker:
         if self.engine.paused:  # evicted in the middle of a sync round
             await self.sync.resume_or_exit(f"reconnecting ({reason})")
         if self._sock is not None:
+            self._sock.disable_monitor()  # before _connect closes its reader (Connection.close says why)
             self._sock.close(linger=0)
         self._outgoing.clear()
         self._connect()
@@ -147,6 +148,10 @@ class Worker:
         try:
             return await self._exit
         finally:
+            if self._sock is not None:
+                # The monitor stops before its reader closes: libzmq's I/O thread sends each event
+                # with a blocking send, which a closed reader would hang (Connection.close).
+                self._sock.disable_monitor()
             for ending in [*background, self._handshake_task]:
                 if ending is not None:
                     ending.cancel()
