@@ -8,6 +8,7 @@ marked with its tier, so ``-m`` selects across folders.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import zmq
-from helpers import poll_until, scrape
+from helpers import poll_until, running_gateway, scrape
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
@@ -199,3 +200,12 @@ def start_client(start_broker: Any) -> Iterator[Callable[..., RolloutClient]]:
     yield start
     for client in reversed(clients):
         client.close()
+
+
+@pytest.fixture
+def start_gateway() -> Iterator[Callable[..., str]]:
+    """``start_gateway(frontend, **GatewayConfig overrides)``: the gateway on a uvicorn thread,
+    on a free loopback port (``helpers.running_gateway``); returns its base URL. Stopped at
+    teardown."""
+    with contextlib.ExitStack() as stack:
+        yield lambda frontend, **overrides: stack.enter_context(running_gateway(frontend, **overrides))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -93,3 +95,24 @@ def metric_name_problems(text: str) -> list[str]:
             if label in ID_LABELS or label.endswith(("_id", "_ids", "_uuid", "_ticket"))
         )
     return problems
+
+
+@contextlib.contextmanager
+def running_gateway(broker: str, **overrides: Any) -> Iterator[str]:
+    """``zmq-rollout gateway`` for the broker at ``broker`` (``GatewayConfig`` overrides), under
+    uvicorn on a thread, on a free loopback port: yields its base URL, stops it after."""
+    import uvicorn
+
+    from zmq_rollout.gateway import GatewayConfig
+    from zmq_rollout.gateway.app import create_app
+
+    config = GatewayConfig(broker=broker, port=0, **overrides)
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
+    thread.start()
+    try:
+        poll_until(lambda: server.started, timeout=30, what="the gateway to start")
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

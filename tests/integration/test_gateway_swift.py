@@ -5,17 +5,15 @@ same seeded request, the token ids, text and logprobs the Python client gets."""
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from helpers import poll_until
+from helpers import running_gateway
 
 from zmq_rollout import RolloutClient, SamplingParams
 from zmq_rollout.config import BrokerConfig
-from zmq_rollout.gateway import GatewayConfig
 from zmq_rollout.local import LocalCluster
 
 SEED = 4321
@@ -58,20 +56,8 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def gateway(cluster: LocalCluster) -> Iterator[str]:
-    import uvicorn
-
-    from zmq_rollout.gateway.app import create_app
-
-    config = GatewayConfig(broker=cluster.address, port=0, timeout_s=300)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    try:
-        poll_until(lambda: server.started, timeout=30, what="the gateway to start")
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with running_gateway(cluster.address, timeout_s=300) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

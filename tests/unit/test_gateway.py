@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -17,7 +15,6 @@ from helpers import metric_name_problems, parse_samples, poll_until
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
-from zmq_rollout.gateway import GatewayConfig
 from zmq_rollout.gateway import responses as out
 from zmq_rollout.gateway.openai_protocol import OpenAIError, parse_chat, parse_completion
 from zmq_rollout.gateway.streaming import ChunkBuilder, StreamBroken
@@ -270,31 +267,6 @@ def test_a_restart_after_streamed_tokens_breaks_the_stream() -> None:
 
 
 # -- over HTTP, against echo worker doubles ---------------------------------------------------
-@pytest.fixture
-def start_gateway() -> Iterator[Callable[..., str]]:
-    """``start_gateway(frontend, **GatewayConfig overrides)``: a uvicorn thread on a free
-    loopback port; returns its base URL. Stopped at teardown."""
-    import uvicorn
-
-    from zmq_rollout.gateway.app import create_app
-
-    started: list[tuple[Any, threading.Thread]] = []
-
-    def start(frontend: str, **overrides: Any) -> str:
-        config = GatewayConfig(broker=frontend, port=0, **overrides)
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-        thread.start()
-        started.append((server, thread))
-        poll_until(lambda: server.started, what="the gateway to start")
-        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-
-    yield start
-    for server, thread in started:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def requests_total(url: str) -> dict[str, float]:
     samples = parse_samples(httpx.get(f"{url}/metrics").text)
     return {k: v for k, v in samples.items() if k.startswith("zmq_rollout_gateway_requests_total")}

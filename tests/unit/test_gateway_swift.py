@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -19,7 +17,6 @@ import pytest
 from helpers import parse_samples, poll_until
 
 from zmq_rollout import protocol as p
-from zmq_rollout.gateway import GatewayConfig
 from zmq_rollout.gateway.openai_protocol import OpenAIError
 from zmq_rollout.gateway.swift_protocol import infer_response, parse_infer
 from zmq_rollout.rollouts import Rollout
@@ -270,31 +267,6 @@ def test_without_details_or_logprobs_the_response_has_neither() -> None:
 
 
 # -- over HTTP, against echo worker doubles ---------------------------------------------------
-@pytest.fixture
-def start_gateway() -> Iterator[Callable[..., str]]:
-    """``start_gateway(frontend, **GatewayConfig overrides)``: a uvicorn thread on a free
-    loopback port; returns its base URL. Stopped at teardown."""
-    import uvicorn
-
-    from zmq_rollout.gateway.app import create_app
-
-    started: list[tuple[Any, threading.Thread]] = []
-
-    def start(frontend: str, **overrides: Any) -> str:
-        config = GatewayConfig(broker=frontend, port=0, **overrides)
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-        thread.start()
-        started.append((server, thread))
-        poll_until(lambda: server.started, what="the gateway to start")
-        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-
-    yield start
-    for server, thread in started:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def requests_total(url: str) -> dict[str, float]:
     samples = parse_samples(httpx.get(f"{url}/metrics").text)
     prefix = "zmq_rollout_gateway_requests_total"
