@@ -116,3 +116,19 @@ def running_gateway(broker: str, **overrides: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def local_cluster(model: str, logs: Any, num_workers: int, **broker: Any) -> Iterator[Any]:
+    """A ``LocalCluster`` of real CPU vLLM workers on loopback ports (``BrokerConfig``
+    overrides in ``broker``; worker logs in the folder ``logs``), started, stopped after."""
+    from zmq_rollout.config import BrokerConfig
+    from zmq_rollout.local import LocalCluster
+
+    config = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", **broker)
+    cluster = LocalCluster(model, num_workers=num_workers, broker_config=config, log_dir=str(logs))
+    try:
+        cluster.start(wait_s=300)
+        yield cluster
+    finally:
+        cluster.stop()

@@ -12,10 +12,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import running_gateway
+from helpers import local_cluster, running_gateway
 
 from zmq_rollout import RolloutClient, SamplingParams
-from zmq_rollout.config import BrokerConfig
 from zmq_rollout.local import LocalCluster
 
 PROMPTS = [[3, 17, 42, 99, 120], [5, 6, 7], [200, 100, 50, 25]]
@@ -24,13 +23,8 @@ SEED = 1234
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    config = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", worker_liveness=20)
-    c = LocalCluster(tiny_model, num_workers=1, broker_config=config, log_dir=str(tmp_path_factory.mktemp("logs")))
-    try:
-        c.start(wait_s=300)
+    with local_cluster(tiny_model, tmp_path_factory.mktemp("logs"), 1, worker_liveness=20) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

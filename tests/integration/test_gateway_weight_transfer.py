@@ -9,20 +9,17 @@ against vLLM's own packer.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from helpers import poll_until
+from helpers import local_cluster, running_gateway
 from model_helpers import SYNC_PROMPTS, hf_greedy, trained_model
 
 from zmq_rollout import RolloutClient
-from zmq_rollout.config import BrokerConfig
 from zmq_rollout.errors import InvalidRequestError
-from zmq_rollout.gateway import GatewayConfig
 from zmq_rollout.gateway.weight_bodies import InitInfo, UpdateInfo, chunks
 from zmq_rollout.integrations.vllm_weights import WeightTransferClient
 from zmq_rollout.local import LocalCluster
@@ -34,36 +31,16 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    config = BrokerConfig(
-        frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", heartbeat_interval_s=0.5, worker_liveness=10
-    )
-    logs = str(tmp_path_factory.mktemp("gateway-weights-logs"))
-    c = LocalCluster(tiny_model, num_workers=2, broker_config=config, log_dir=logs)
-    try:
-        c.start(wait_s=300)
+    logs = tmp_path_factory.mktemp("gateway-weights-logs")
+    with local_cluster(tiny_model, logs, 2, heartbeat_interval_s=0.5, worker_liveness=10) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
 def gateway(cluster: LocalCluster) -> Iterator[str]:
-    import uvicorn
-
-    from zmq_rollout.gateway.app import create_app
-
-    config = GatewayConfig(
-        broker=cluster.address, port=0, timeout_s=300, weight_transfer_backend="gloo", weight_transfer_timeout_s=120
-    )
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-    thread.start()
-    try:
-        poll_until(lambda: server.started, timeout=30, what="the gateway to start")
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    gloo = {"weight_transfer_backend": "gloo", "weight_transfer_timeout_s": 120}
+    with running_gateway(cluster.address, timeout_s=300, **gloo) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -25,7 +23,6 @@ from helpers import poll_until
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.errors import BrokerUnavailableError, InvalidRequestError, SyncError
-from zmq_rollout.gateway import GatewayConfig
 from zmq_rollout.gateway.openai_protocol import OpenAIError
 from zmq_rollout.gateway.weight_bodies import GROUP_NAME, BadBody, InitInfo, UpdateInfo, chunks
 from zmq_rollout.gateway.weight_rounds import WeightUpdates, http_error
@@ -410,30 +407,6 @@ def test_a_round_left_idle_is_aborted_after_the_timeout() -> None:
 
 
 # -- over HTTP: a real broker, worker doubles, uvicorn -----------------------------------------
-@pytest.fixture
-def start_gateway() -> Iterator[Callable[..., str]]:
-    """``start_gateway(frontend, **GatewayConfig overrides)``: a uvicorn thread on a free port."""
-    import uvicorn
-
-    from zmq_rollout.gateway.app import create_app
-
-    started: list[tuple[Any, threading.Thread]] = []
-
-    def start(frontend: str, **overrides: Any) -> str:
-        config = GatewayConfig(broker=frontend, port=0, **overrides)
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="gateway", daemon=True)
-        thread.start()
-        started.append((server, thread))
-        poll_until(lambda: server.started, what="the gateway to start")
-        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-
-    yield start
-    for server, thread in started:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     error = response.json()["error"]
