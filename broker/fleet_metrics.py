@@ -98,8 +98,8 @@ def sync_families(s: Scheduler) -> Iterator[Metric]:
         "zmq_rollout_sync_step_failures",
         "Members that answered a step with ok=false, by step.",
         "step",
-        sync.step_failures,
-    )
+        {step: sync.step_failures.get(step, 0) for step in [*sync.step_seconds, *sync.step_failures]},
+    )  # at 0 from a step's first run: rate() and increase() see its first failure
     yield _counter(
         "zmq_rollout_sync_bytes",
         "Weight bytes loaded by workers, as the steps' buckets say (bucket bytes x members that loaded it), by step.",

@@ -25,6 +25,9 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
+MALFORMED_REASONS = ("oversize", "invalid", "invalid_job", "worker", "unroutable")
+"""The broker's reasons for refusing a message (docs/protocol.md, section 7), exported from 0."""
+
 _COUNTERS = {
     "submitted": "Jobs accepted into a queue.",
     "completed": "Jobs whose final result reached their client.",
@@ -66,7 +69,10 @@ class SchedulerCollector:
         malformed = CounterMetricFamily(
             "zmq_rollout_malformed_messages", "Messages refused as malformed, by reason.", labels=["reason"]
         )
-        for reason, count in list(stats.malformed.items()):
+        counts = dict(stats.malformed)
+        for reason in MALFORMED_REASONS:  # at 0 from the start: rate() and increase() see the first one
+            counts.setdefault(reason, 0)
+        for reason, count in counts.items():
             malformed.add_metric([reason], count)
         yield malformed
         auth = CounterMetricFamily(

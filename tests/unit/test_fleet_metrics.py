@@ -112,6 +112,10 @@ def test_a_committed_round_counts_steps_bytes_duration_and_versions() -> None:
     assert all(
         v == 0 for k, v in m.items() if k.startswith(("zmq_rollout_sync_evictions", "zmq_rollout_sync_step_failures"))
     )
+    failures = "zmq_rollout_sync_step_failures_total"  # at 0 from a step's first run: rate() sees a first failure
+    assert {k for k in m if k.startswith(failures)} == {
+        f"{failures}{{step={op}}}" for op in ("begin", "load_shm", "commit")
+    }
 
 
 @pytest.mark.parametrize("outcome", ["failed", "aborted", "trainer_lost"])
@@ -137,7 +141,11 @@ def test_rounds_that_do_not_commit_are_counted_by_outcome(outcome: str) -> None:
     }
     assert m["zmq_rollout_sync_rounds_in_progress"] == 0
     assert m["zmq_rollout_sync_round_duration_seconds_sum"] == pytest.approx(1.0)
-    assert m.get("zmq_rollout_sync_step_failures_total{step=commit}", 0) == int(outcome == "failed")
+    assert m["zmq_rollout_sync_step_failures_total{step=begin}"] == 0
+    if outcome != "trainer_lost":  # the trainer left before any step but begin
+        assert m[f"zmq_rollout_sync_step_failures_total{{step={'commit' if outcome == 'failed' else 'abort'}}}"] == int(
+            outcome == "failed"
+        )
 
 
 def test_members_lost_in_a_round_are_counted_by_reason() -> None:

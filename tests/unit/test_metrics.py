@@ -74,6 +74,8 @@ def test_job_counters(server: MetricsServer, scheduler: Scheduler) -> None:
     assert jobs("rejected_busy") == 1
     assert jobs("cancelled") == 0
     assert samples[("zmq_rollout_malformed_messages_total", (("reason", "invalid"),))] == 2
+    for reason in ("oversize", "invalid_job", "worker", "unroutable"):  # from 0: a first one shows in rate()
+        assert samples[("zmq_rollout_malformed_messages_total", (("reason", reason),))] == 0
 
 
 def test_queue_and_worker_gauges(server: MetricsServer, scheduler: Scheduler) -> None:

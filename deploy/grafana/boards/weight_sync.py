@@ -30,15 +30,15 @@ def weight_sync() -> db.Dashboard:
             ),
             single(
                 "Rounds committed",
-                "Rounds committed within the dashboard's time range.",
+                "Rounds committed within the dashboard's time range (increase() extrapolates: rounded).",
                 "short",
-                Query(f'sum(increase({rounds}{{outcome="committed"}}[$__range]))', "committed"),
+                Query(f'round(sum(increase({rounds}{{outcome="committed"}}[$__range])))', "committed"),
             ),
             single(
                 "Rounds not committed",
                 "Rounds that failed, were aborted or lost their trainer, within the dashboard's time range.",
                 "short",
-                Query(f'sum(increase({rounds}{{outcome!="committed"}}[$__range]))', "not committed"),
+                Query(f'round(sum(increase({rounds}{{outcome!="committed"}}[$__range])))', "not committed"),
                 red_above=1,
             ),
             graph(
