@@ -126,7 +126,7 @@ async def run_job(engine: Engine, request_id: str, job: p.JobSpec) -> AsyncItera
                 index, tokens, chosen, tops, finish, version, text = item
                 accs[index].add(tokens, chosen, tops, finish, version, text, engine.weight_version)
                 if job.stream and tokens:
-                    yield p.Delta(0, index, tokens, chosen)
+                    yield p.Delta(0, index, tokens, chosen, text)
         finally:
             for task in tasks:
                 task.cancel()

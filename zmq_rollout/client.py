@@ -456,7 +456,9 @@ class AsyncRolloutClient(WeightSyncMethods):
                 handle = pending.get(delta.key)
                 if handle is not None and handle.stream is not None:
                     handle.streamed = True
-                    handle.stream.put_nowait(TokenDelta(delta.key, delta.index, delta.token_ids, delta.logprobs))
+                    handle.stream.put_nowait(
+                        TokenDelta(delta.key, delta.index, delta.token_ids, delta.logprobs, delta.text or "")
+                    )
         elif command in (p.ERROR, p.BUSY):
             for item in body:
                 # An error about a whole message is about our oldest SUBMIT not answered yet

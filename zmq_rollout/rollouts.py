@@ -41,6 +41,9 @@ class TokenDelta:
     index: int
     token_ids: list[int]
     logprobs: list[float]
+    text: str = ""
+    """The text these tokens add (vLLM's streaming detokenization); the deltas' texts of a
+    sample join to its ``Rollout.text``."""
 
 
 def make_job(

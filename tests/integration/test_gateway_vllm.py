@@ -93,13 +93,15 @@ def test_streams_add_up_to_the_response(sdk: openai.OpenAI, model: str) -> None:
                                     logprobs=0, extra_body={"return_token_ids": True})  # fmt: skip
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}
-    num_chunks = 0
+    num_chunks = early_text = 0
     for chunk in stream:
         num_chunks += 1
         for c in chunk.choices:
             tokens.setdefault(c.index, []).extend((c.model_extra or {})["token_ids"])
             texts[c.index] = texts.get(c.index, "") + c.text
+            early_text += bool(c.text) and c.finish_reason is None
     assert num_chunks > 4  # tokens arrived in more than one chunk per choice
+    assert early_text > 0  # text comes as the tokens do, not all in the last chunk
     assert [tokens[c.index] for c in whole.choices] == [(c.model_extra or {})["token_ids"] for c in whole.choices]
     assert [texts[c.index] for c in whole.choices] == [c.text for c in whole.choices]
     messages = [{"role": "user", "content": "hello"}]

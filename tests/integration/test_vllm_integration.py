@@ -262,6 +262,8 @@ def test_streaming_deltas_add_up_to_the_final(cluster: LocalCluster) -> None:
         streamed = [t for d in deltas if d.index == final.index for t in d.token_ids]
         assert streamed == final.token_ids
         assert len(final.token_ids) == 16
+        said = "".join(d.text for d in deltas if d.index == final.index)
+        assert said and final.text is not None and final.text.startswith(said)  # text streams with the tokens
 
 
 def test_cancel_running_job_frees_credits(cluster: LocalCluster) -> None:

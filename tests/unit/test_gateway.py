@@ -225,8 +225,8 @@ def test_chat_response_parses_with_the_openai_sdk() -> None:
 def test_chunks_add_up_to_the_response() -> None:
     builder = ChunkBuilder(chat=False, model="m", n=1, top=0, token_ids=True, include_usage=True, prompt_ids=[None])
     chunks = builder.start()
-    chunks += builder.delta(0, TokenDelta("j", 0, [7], [-0.5]))
-    chunks += builder.delta(0, TokenDelta("j", 0, [8], [-1.0]))
+    chunks += builder.delta(0, TokenDelta("j", 0, [7], [-0.5], "a"))
+    chunks += builder.delta(0, TokenDelta("j", 0, [8], [-1.0], ""))  # vLLM may hold text back a while
     chunks += builder.final(0, rollout())
     chunks += builder.end()
     openai.types.Completion.model_validate(chunks[-2])  # the SDK reads chunks as Completions (unvalidated)
@@ -234,7 +234,7 @@ def test_chunks_add_up_to_the_response() -> None:
     vllm_keys = {"index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"}
     assert [set(c) - vllm_keys for c in choices] == [set(), set(), {"weight_version"}]
     assert [t for c in choices for t in c["token_ids"]] == [7, 8, 9]
-    assert "".join(c["text"] for c in choices) == "abc"
+    assert [c["text"] for c in choices] == ["a", "", "bc"]  # as streamed, then what is left
     assert [c["finish_reason"] for c in choices] == [None, None, "length"]
     assert [c["prompt_token_ids"] for c in choices] == [None, None, [1, 2, 3]]  # known once the worker answers
     assert [c["logprobs"]["text_offset"] for c in choices] == [[0], [10], [20]]
@@ -264,6 +264,15 @@ def test_a_restart_after_streamed_tokens_breaks_the_stream() -> None:
         builder.restarted(0)
     with pytest.raises(StreamBroken):
         builder.final(0, rollout(token_ids=[5, 6]))
+
+
+def test_streamed_text_that_is_not_the_final_texts_start_breaks_the_stream() -> None:
+    builder = ChunkBuilder(chat=True, model="m", n=1, top=None, token_ids=False, include_usage=False,
+                           prompt_ids=[None])  # fmt: skip
+    (chunk,) = builder.delta(0, TokenDelta("j", 0, [7], [-0.5], "x"))
+    assert chunk["choices"][0]["delta"]["content"] == "x"
+    with pytest.raises(StreamBroken, match="text streamed so far"):
+        builder.final(0, rollout())  # its text is "abc"
 
 
 # -- over HTTP, against echo worker doubles ---------------------------------------------------

@@ -1,11 +1,11 @@
 """Server-sent events in vLLM's chunk shapes, from the client's stream items. Pure: events in
 (``delta``, ``final``, ``restarted``), chunks out; ``app`` writes them as ``data: ...`` lines.
 
-What differs from vLLM, because the gateway has no tokenizer and the worker detokenizes once:
+Token chunks carry the text their tokens add, as the worker's vLLM detokenized it while
+streaming, with ``token_ids`` (with ``return_token_ids``) and logprobs; a choice's last chunk
+carries what text is left and its ``finish_reason``. Joining the chunks' texts gives the
+completion, as with vLLM. What differs from vLLM, because the gateway has no tokenizer:
 
-- token chunks carry ``token_ids`` (with ``return_token_ids``) and logprobs, and ``text: ""``;
-  a choice's whole text comes in its last chunk, with its ``finish_reason``. Joining the
-  chunks' texts gives the completion, as with vLLM.
 - with top logprobs asked for (completions ``logprobs`` > 0, chat ``top_logprobs`` > 0) a
   choice comes in one chunk at its end: the streamed tokens carry only the sampled logprob.
 - ``prompt_token_ids`` come with the choice's first chunk when the prompt was token ids, else
@@ -48,6 +48,7 @@ class ChunkBuilder:
         self.created = out.now()
         self.prompt_ids = list(prompt_ids)
         self.sent: dict[int, list[int]] = {}  # choice index -> token ids streamed so far
+        self.sent_text: dict[int, list[str]] = {}  # choice index -> text streamed so far, piece by piece
         self.offsets: dict[int, int] = {}  # choice index -> text offset of its next logprob token
         self.prompt_sent: set[int] = set()  # prompts whose prompt_token_ids went out
         self.num_prompt_tokens: dict[int, int] = {}
@@ -74,14 +75,18 @@ class ChunkBuilder:
             return []
         choice = prompt_index * self.n + d.index
         self.sent.setdefault(choice, []).extend(d.token_ids)
+        self.sent_text.setdefault(choice, []).append(d.text)
         logprobs = d.logprobs if len(d.logprobs) == len(d.token_ids) else [float("nan")] * len(d.token_ids)
-        return [self._chunk(prompt_index, choice, "", d.token_ids, logprobs, None, None)]
+        return [self._chunk(prompt_index, choice, d.text, d.token_ids, logprobs, None, None)]
 
     def final(self, prompt_index: int, r: Rollout) -> list[dict[str, Any]]:
         choice = prompt_index * self.n + r.index
         sent = self.sent.pop(choice, [])
         if r.token_ids[: len(sent)] != sent:
             raise StreamBroken("the tokens streamed so far are not the final sample's (the job ran again)")
+        said = "".join(self.sent_text.pop(choice, []))
+        if not r.text.startswith(said):
+            raise StreamBroken("the text streamed so far is not the start of the final sample's text")
         start = len(sent)
         tops = r.top_logprobs[start:] if r.top_logprobs is not None else None
         self.num_prompt_tokens[prompt_index] = len(r.prompt_token_ids)
@@ -89,13 +94,14 @@ class ChunkBuilder:
         if self.prompt_ids[prompt_index] is None:
             self.prompt_ids[prompt_index] = r.prompt_token_ids
         chunk = self._chunk(
-            prompt_index, choice, r.text, r.token_ids[start:], r.logprobs[start:], tops, r.finish_reason
+            prompt_index, choice, r.text[len(said) :], r.token_ids[start:], r.logprobs[start:], tops, r.finish_reason
         )
         chunk["choices"][0].update(out.versions(r))
         return [chunk]
 
     def restarted(self, prompt_index: int) -> None:
-        """The broker restarted and the prompt's job runs again from its first token."""
+        """The prompt's job runs again from its first token (the broker restarted, or its worker
+        was lost): a stream that already sent some of its tokens cannot take them back."""
         if any(choice // self.n == prompt_index for choice in self.sent):
             raise StreamBroken("the broker restarted after tokens of this stream were sent; send the request again")
 

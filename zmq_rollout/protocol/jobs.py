@@ -233,6 +233,10 @@ class Delta(Struct):
     index: int
     token_ids: list[int]
     logprobs: list[float]
+    text: str | None = None
+    """The text these tokens add, as vLLM detokenizes it while streaming (it may hold back a
+    partial character or a possible stop string until a later delta); the deltas' texts join
+    to the sample's ``text``. None from a worker that does not send it."""
 
 
 class Sample(Struct):
@@ -268,6 +272,7 @@ class DeltaRelay(Struct):
     index: int
     token_ids: msgspec.Raw
     logprobs: msgspec.Raw
+    text: msgspec.Raw = msgspec.Raw(b"\xc0")
 
 
 class ResultRelay(Struct):
