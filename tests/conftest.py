@@ -111,9 +111,10 @@ class RunningBroker:
         return int(self.metrics().get(f"zmq_rollout_jobs_total{{outcome={outcome}}}", 0))
 
     def malformed(self) -> dict[str, int]:
-        """``zmq_rollout_malformed_messages_total`` by reason."""
+        """``zmq_rollout_malformed_messages_total`` by reason, the reasons counted so far (every
+        reason is exported from 0: ``test_metrics.py`` checks that)."""
         prefix = "zmq_rollout_malformed_messages_total{reason="
-        return {k[len(prefix) : -1]: int(v) for k, v in self.metrics().items() if k.startswith(prefix)}
+        return {k[len(prefix) : -1]: int(v) for k, v in self.metrics().items() if k.startswith(prefix) and v}
 
     def has_worker(self, name: str) -> bool:
         return any(w.name == name for w in self.status().workers)
