@@ -21,6 +21,7 @@ import heapq
 import itertools
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
@@ -80,7 +81,7 @@ class Scheduler:
     def client_seen(self, identity: ClientId, now: float) -> None:
         self._client(identity, now)
 
-    def submit(self, identity: ClientId, jobs: list[p.JobSpec], now: float) -> None:
+    def submit(self, identity: ClientId, jobs: Sequence[p.JobSpec | p.JobRelay], now: float) -> None:
         client = self._client(identity, now)
         accepted: list[str] = []
         new = 0
@@ -109,7 +110,7 @@ class Scheduler:
                 )
                 self.stats.rejected_busy += 1
             else:
-                job = Job(identity, spec, now)
+                job = Job(identity, spec, now, spec.cost())
                 self._enqueue(client, job)
                 accepted.append(jid)
                 new += 1
@@ -245,11 +246,11 @@ class Scheduler:
             # sync came meanwhile; counted at once for the usual case, samples of the fleet's version.
             version = result.weight_version
             if version != job.dispatched_version:
-                observe_crossing(stats, result.samples, job.spec.sampling.n, version, fleet)
+                observe_crossing(stats, result.samples, job.cost, version, fleet)
             elif version >= fleet:
-                fresh += job.spec.sampling.n
+                fresh += job.cost
             else:
-                stats.staleness.observe_many(fleet - version, job.spec.sampling.n)
+                stats.staleness.observe_many(fleet - version, job.cost)
         if fresh:
             stats.staleness.observe_many(0, fresh)
         stats.completed += done
@@ -523,7 +524,7 @@ class Scheduler:
         worker.credits_used += job.cost
         client.running[job.spec.job_id] = (worker.identity, job.ticket)
         self.stats.observe_queue_wait(now - job.submitted_at)
-        self.outbox.to_worker(worker.identity, p.JOBS, p.Assignment(job.ticket, job.spec))
+        self.outbox.to_worker(worker.identity, p.JOBS, p.AssignmentRelay(job.ticket, job.spec))
         if job.spec.session_id is not None:
             self.affinity.dispatched(client.identity, job, worker.identity, now)
 

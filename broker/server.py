@@ -38,12 +38,12 @@ from .scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 _READ_BATCH = 256  # messages per socket per pass, so that neither side starves the other
-_job_decoder = msgspec.msgpack.Decoder(p.JobSpec)
+_job_decoder = msgspec.msgpack.Decoder(p.JobRelay)
 _raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _any = msgspec.msgpack.Decoder()
 
 
-def split_submit(header: Any) -> tuple[list[p.JobSpec], list[p.ErrorItem]]:
+def split_submit(header: Any) -> tuple[list[p.JobRelay], list[p.ErrorItem]]:
     """Salvage a SUBMIT that failed to decode as a whole: valid jobs go on, each invalid one
     gets an error naming its job id (when one can be read). Raises ProtocolError if the
     header is not even a list."""
@@ -94,7 +94,7 @@ class Broker:
                 self.frontend_address,
                 self.backend_address,
             )
-        self._from_client = codec.Decoder(codec.FROM_CLIENT)
+        self._from_client = codec.Decoder(codec.BROKER_FROM_CLIENT)
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
         self._metrics_server: Any = None

@@ -19,8 +19,10 @@ ClientId = bytes
 @dataclass(eq=False)
 class Job:
     client: ClientId
-    spec: p.JobSpec
+    spec: p.JobSpec | p.JobRelay
     submitted_at: float
+    cost: int
+    """Credits it occupies on a worker while it runs: its ``sampling.n``."""
     ticket: int = 0
     dispatched_at: float = 0.0
     dispatched_version: int = 0
@@ -29,10 +31,6 @@ class Job:
     restarts: int = 0
     """Times it ran again because it finished too stale (``JobSpec.max_staleness``)."""
     cancelled: bool = False
-
-    @property
-    def cost(self) -> int:
-        return self.spec.cost()
 
 
 @dataclass(eq=False)

@@ -35,6 +35,8 @@ FROM_CLIENT: dict[bytes, Any] = {
     p.DISCONNECT: None,
     p.SYNC: p.SyncStep,
 }
+BROKER_FROM_CLIENT: dict[bytes, Any] = {**FROM_CLIENT, p.SUBMIT: list[p.JobRelay]}
+"""What the broker decodes from clients: the same, but jobs as ``JobRelay`` (sampling raw)."""
 TO_CLIENT: dict[bytes, Any] = {
     p.ACCEPTED: list[str],
     p.PARTIAL: list[p.Delta],

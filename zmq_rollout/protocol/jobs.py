@@ -189,34 +189,94 @@ class JobSpec(Struct):
     weights, at most ``BrokerConfig.max_stale_restarts`` times, then ``stale``."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.job_id, str) and 0 < len(self.job_id) <= MAX_JOB_ID):
-            raise ValueError(f"job_id must be a string of 1..{MAX_JOB_ID} characters")
-        prompt, messages, ids = self.prompt, self.messages, self.prompt_token_ids
-        if (prompt is not None) + (messages is not None) + (ids is not None) != 1:
-            raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
-        if prompt is not None and not 0 < len(prompt) <= MAX_PROMPT_CHARS:
-            raise ValueError("prompt must be 1..1 MiB characters")
-        if messages is not None and not 0 < len(messages) <= MAX_MESSAGES:
-            raise ValueError(f"messages must hold 1..{MAX_MESSAGES} items")
-        if ids is not None and not (0 < len(ids) <= MAX_PROMPT_TOKENS and min(ids) >= 0):
-            raise ValueError("prompt_token_ids must hold 1..1M non-negative ids")
-        if self.min_weight_version:
-            check_int("min_weight_version", self.min_weight_version, 0, MAX_VERSION)
-        if self.lora is not None and not (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME):
-            raise ValueError(f"lora must be an adapter name of 1..{MAX_LORA_NAME} characters")
-        sid = self.session_id
-        if sid is not None and not (isinstance(sid, str) and 0 < len(sid) <= MAX_SESSION_ID):
-            raise ValueError(f"session_id must be a string of 1..{MAX_SESSION_ID} characters")
-        if self.session_end and (self.session_end is not True or sid is None):
-            raise ValueError("session_end must be a bool, and true only with a session_id")
-        if self.max_staleness is not None:
-            check_int("max_staleness", self.max_staleness, 0, MAX_VERSION)
-        if self.on_stale not in ON_STALE:
-            raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}")
+        _check_job(self)
 
     def cost(self) -> int:
         """Credits this job occupies on a worker: one per sequence."""
         return self.sampling.n
+
+
+_sampling_decoder = msgspec.msgpack.Decoder(SamplingParams)
+_sampling_checked: dict[bytes, int | str] = {}
+_SAMPLING_CHECKED_MAX = 4096
+
+
+def sampling_n(raw: msgspec.Raw) -> int:
+    """The ``n`` of an encoded SamplingParams, checked as a SamplingParams is on decode; raises
+    ValueError if it is not one. Each distinct encoding is decoded once and remembered (a
+    trainer's jobs share a few): this was a fifth of the broker's time per job."""
+    key = bytes(raw)
+    known = _sampling_checked.get(key)
+    if known is None:
+        try:
+            known = _sampling_decoder.decode(key).n
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            known = f"sampling: {exc}"
+        if len(_sampling_checked) >= _SAMPLING_CHECKED_MAX:
+            _sampling_checked.clear()
+        _sampling_checked[key] = known
+    if type(known) is str:
+        raise ValueError(known)
+    return known  # type: ignore[return-value]
+
+
+_DEFAULT_SAMPLING = msgspec.Raw(msgspec.msgpack.encode(SamplingParams()))
+
+
+class JobRelay(Struct):
+    """The broker's view of a ``JobSpec`` (SUBMIT in, JOBS out): the same fields, checked by
+    the same rules on decode, except that ``sampling`` stays the raw msgpack it came in
+    (checked through ``sampling_n``) and goes to the worker as it came. Same wire shape."""
+
+    job_id: str
+    sampling: msgspec.Raw = _DEFAULT_SAMPLING
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    stream: bool = False
+    min_weight_version: int = 0
+    lora: str | None = None
+    resubmitted: bool = False
+    session_id: str | None = None
+    session_end: bool = False
+    max_staleness: int | None = None
+    on_stale: str = "abort"
+
+    def __post_init__(self) -> None:
+        _check_job(self)
+        sampling_n(self.sampling)
+
+    def cost(self) -> int:
+        """Credits this job occupies on a worker: one per sequence."""
+        return sampling_n(self.sampling)
+
+
+def _check_job(job: JobSpec | JobRelay) -> None:
+    """The rules a job's own fields follow (its sampling is checked as a SamplingParams)."""
+    if not (isinstance(job.job_id, str) and 0 < len(job.job_id) <= MAX_JOB_ID):
+        raise ValueError(f"job_id must be a string of 1..{MAX_JOB_ID} characters")
+    prompt, messages, ids = job.prompt, job.messages, job.prompt_token_ids
+    if (prompt is not None) + (messages is not None) + (ids is not None) != 1:
+        raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+    if prompt is not None and not 0 < len(prompt) <= MAX_PROMPT_CHARS:
+        raise ValueError("prompt must be 1..1 MiB characters")
+    if messages is not None and not 0 < len(messages) <= MAX_MESSAGES:
+        raise ValueError(f"messages must hold 1..{MAX_MESSAGES} items")
+    if ids is not None and not (0 < len(ids) <= MAX_PROMPT_TOKENS and min(ids) >= 0):
+        raise ValueError("prompt_token_ids must hold 1..1M non-negative ids")
+    if job.min_weight_version:
+        check_int("min_weight_version", job.min_weight_version, 0, MAX_VERSION)
+    if job.lora is not None and not (isinstance(job.lora, str) and 0 < len(job.lora) <= MAX_LORA_NAME):
+        raise ValueError(f"lora must be an adapter name of 1..{MAX_LORA_NAME} characters")
+    sid = job.session_id
+    if sid is not None and not (isinstance(sid, str) and 0 < len(sid) <= MAX_SESSION_ID):
+        raise ValueError(f"session_id must be a string of 1..{MAX_SESSION_ID} characters")
+    if job.session_end and (job.session_end is not True or sid is None):
+        raise ValueError("session_end must be a bool, and true only with a session_id")
+    if job.max_staleness is not None:
+        check_int("max_staleness", job.max_staleness, 0, MAX_VERSION)
+    if job.on_stale not in ON_STALE:
+        raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}")
 
 
 class Assignment(Struct):
@@ -224,6 +284,14 @@ class Assignment(Struct):
 
     ticket: int
     job: JobSpec
+
+
+class AssignmentRelay(Struct):
+    """What the broker encodes for an ``Assignment`` (never decoded): its job is a ``JobRelay``,
+    or a ``JobSpec`` where one was given in Python (tests, embedding). Same wire shape."""
+
+    ticket: int
+    job: JobRelay | JobSpec
 
 
 class Delta(Struct):
