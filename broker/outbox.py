@@ -39,6 +39,15 @@ class Outbox:
     def to_worker(self, identity: bytes, command: bytes, item: Any) -> None:
         append(self._segments(WORKER, identity), command, item)
 
+    def items_to(self, side: int, identity: bytes, command: bytes) -> list[Any]:
+        """The list that items of ``command`` (a list-body command) for this peer go into now:
+        append to it while nothing else is sent to that peer (one dispatch pass's JOBS, one
+        FINAL message's results per client), without a lookup per item."""
+        segments = self._segments(side, identity)
+        if not segments or segments[-1][0] != command:
+            segments.append([command, []])
+        return segments[-1][1]
+
     def take(self) -> list[tuple[int, bytes, bytes, Any]]:
         """Everything pending as ``(side, identity, command, body)``; in order for each peer,
         workers first (their JOBS start work; a client's ACCEPTED can wait microseconds)."""

@@ -22,12 +22,13 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
 
 from .affinity import Affinity, Held, fits
-from .outbox import Outbox
+from .outbox import CLIENT, WORKER, Outbox
 from .staleness import observe_crossing, oldest_version
 from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
 from .stats import BrokerStats
@@ -86,16 +87,18 @@ class Scheduler:
         accepted: list[str] = []
         new = 0
         cfg = self.config
+        queue, queued, running = client.queue, client.queued, client.running
+        idle = not queue and not self.affinity.holds(identity)  # not in ``_waiting``
         for spec in jobs:
             jid = spec.job_id
-            if spec.resubmitted and (jid in client.queued or jid in client.running or jid in (client.finished or ())):
+            if spec.resubmitted and (jid in queued or jid in running or jid in (client.finished or ())):
                 accepted.append(jid)  # sent again after a restart it did not see: it is (or was) here, once
-            elif jid in client.queued or jid in client.running:
+            elif jid in queued or jid in running:
                 self.outbox.to_client(
                     identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight")
                 )
                 self.stats.rejected_invalid += 1
-            elif len(client.queued) >= cfg.max_queue_per_client or self.num_queued >= cfg.max_queue_total:
+            elif len(queued) >= cfg.max_queue_per_client or self.num_queued >= cfg.max_queue_total:
                 self.outbox.to_client(
                     identity,
                     p.BUSY,
@@ -109,11 +112,14 @@ class Scheduler:
                     ),
                 )
                 self.stats.rejected_busy += 1
-            else:
-                job = Job(identity, spec, now, spec.cost())
-                self._enqueue(client, job)
+            else:  # queued (as ``_enqueue``, its turn in ``_waiting`` taken once below)
+                queued[jid] = job = Job(identity, spec, now, spec.cost())
+                queue.append(job)
+                self.num_queued += 1
                 accepted.append(jid)
                 new += 1
+        if idle and new:
+            self._waiting.append(client)
         self.stats.submitted += new
         if accepted:
             self.outbox.to_client_many(identity, p.ACCEPTED, accepted)
@@ -230,18 +236,24 @@ class Scheduler:
         stats = self.stats
         fleet = self.sync.fleet_version
         done = fresh = 0
+        finals: dict[ClientId, list[Any]] = {}  # FINAL lists per client, while nothing else goes to one
+        latency = stats.job_latency.observe
         for result in results:
             running = worker.running.get(result.key)  # type: ignore[arg-type]
-            limited = running is not None and running.spec.max_staleness is not None
-            if limited and self._too_stale(worker, running, result, fleet, now):  # type: ignore[arg-type]
-                continue
+            if running is not None and running.spec.max_staleness is not None:
+                finals.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
+                if self._too_stale(worker, running, result, fleet, now):
+                    continue
             job = self._finish(worker, result.key)
             if job is None:
                 continue
             result.key = job.spec.job_id
-            self.outbox.to_client(job.client, p.FINAL, result)
+            out = finals.get(job.client)
+            if out is None:
+                out = finals[job.client] = self.outbox.items_to(CLIENT, job.client, p.FINAL)
+            out.append(result)
             done += 1
-            stats.observe_done(now - job.submitted_at)
+            latency(now - job.submitted_at)
             # Staleness (staleness.py): n samples of the version the job was dispatched at, unless a
             # sync came meanwhile; counted at once for the usual case, samples of the fleet's version.
             version = result.weight_version
@@ -439,6 +451,7 @@ class Scheduler:
         blocked: list[ClientState] = []
         waiting = self._waiting
         holds = self.affinity.holds
+        jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
         stale = False  # a heap entry's load is out of date (a job went to a worker not popped)
         while waiting and heap:
             client = waiting.popleft()
@@ -448,11 +461,11 @@ class Scheduler:
                     blocked.append(client)  # no eligible worker now; keep its place for later
                 continue
             job, worker, popped = found
-            self._assign(worker, client, job, now)
+            self._assign(worker, client, job, now, jobs_to)
             if not popped:
                 stale = True
-            elif worker.credits_free > 0:
-                heapq.heappush(heap, _entry(worker))
+            elif worker.credits_used < worker.credits:
+                heapq.heappush(heap, (worker.credits_used / worker.credits, worker.last_pick, worker.identity, worker))
             if client.queue or holds(client.identity):
                 waiting.append(client)
         waiting.extendleft(reversed(blocked))
@@ -515,18 +528,26 @@ class Scheduler:
             heapq.heappush(heap, entry)
         return found
 
-    def _assign(self, worker: WorkerState, client: ClientState, job: Job, now: float) -> None:
-        job.ticket = worker.last_pick = next(self._tickets)
+    def _assign(
+        self, worker: WorkerState, client: ClientState, job: Job, now: float, jobs_to: dict[WorkerId, list[Any]]
+    ) -> None:
+        """``job`` runs on ``worker``; its assignment joins ``jobs_to`` (this pass's JOBS lists)."""
+        ticket = job.ticket = worker.last_pick = next(self._tickets)
+        spec = job.spec
         job.attempts += 1
         job.dispatched_at = now
         job.dispatched_version = worker.weight_version
-        worker.running[job.ticket] = job
+        worker.running[ticket] = job
         worker.credits_used += job.cost
-        client.running[job.spec.job_id] = (worker.identity, job.ticket)
-        self.stats.observe_queue_wait(now - job.submitted_at)
-        self.outbox.to_worker(worker.identity, p.JOBS, p.AssignmentRelay(job.ticket, job.spec))
-        if job.spec.session_id is not None:
-            self.affinity.dispatched(client.identity, job, worker.identity, now)
+        identity = worker.identity
+        client.running[spec.job_id] = (identity, ticket)
+        self.stats.queue_wait.observe(now - job.submitted_at)
+        out = jobs_to.get(identity)
+        if out is None:
+            out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
+        out.append(p.AssignmentRelay(ticket, spec))
+        if spec.session_id is not None:
+            self.affinity.dispatched(client.identity, job, identity, now)
 
     # -- status ----------------------------------------------------------------------------
     def worker_state(self, w: WorkerState) -> str:

@@ -16,7 +16,7 @@ WorkerId = bytes
 ClientId = bytes
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     client: ClientId
     spec: p.JobSpec | p.JobRelay
@@ -33,7 +33,7 @@ class Job:
     cancelled: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ClientState:
     identity: ClientId
     name: str
@@ -49,7 +49,7 @@ class ClientState:
     sent while the old broker was down may have finished here already."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WorkerState:
     identity: WorkerId
     info: p.WorkerInfo
