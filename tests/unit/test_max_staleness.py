@@ -167,3 +167,16 @@ def test_bad_staleness_options_from_the_wire_are_a_protocol_error() -> None:
     frames = codec.encode(p.SUBMIT, [spec])
     with pytest.raises(ProtocolError, match="on_stale must be one of abort, restart"):
         codec.Decoder(codec.FROM_CLIENT).decode(frames)
+
+
+def test_a_stale_error_keeps_its_place_among_the_finals_of_one_message() -> None:
+    """The FINALs of one worker message go out in one list per client, except around an
+    ERROR (or restart) that a stale result in the middle sends: order stays as the results'."""
+    s = Scheduler(BrokerConfig())
+    s.worker_ready(W1, p.WorkerInfo("worker-1", "tiny", 8, 0), 0.0)
+    s.submit(A, [job("a"), job("b", max_staleness=0), job("c")], 0.0)
+    tickets = {a.job.job_id: a.ticket for a in sent_to(s.outbox.take(), WORKER, p.JOBS)}
+    committed(s, 1)
+    s.worker_final(W1, [result(tickets[k], 0) for k in "abc"], 1.0)  # type: ignore[misc]
+    to_a = [(c, [getattr(item, "key", None) for item in b]) for side, ident, c, b in s.outbox.take() if ident == A]
+    assert to_a == [(p.FINAL, ["a"]), (p.ERROR, ["b"]), (p.FINAL, ["c"])]

@@ -556,6 +556,24 @@ def test_outbox_keeps_order_per_peer_and_merges_runs() -> None:
     assert len(box) == 0
 
 
+def test_outbox_items_to_hands_the_open_list_or_starts_one_after_another_command() -> None:
+    from zmq_rollout.broker.outbox import CLIENT, Outbox
+
+    box = Outbox()
+    finals = box.items_to(CLIENT, b"c", p.FINAL)
+    finals.append("A-final")
+    assert box.items_to(CLIENT, b"c", p.FINAL) is finals  # still the last segment
+    box.to_client(b"c", p.ERROR, "B-error")
+    later = box.items_to(CLIENT, b"c", p.FINAL)
+    assert later is not finals
+    later.append("C-final")
+    assert [(cmd, body) for _, _, cmd, body in box.take()] == [
+        (p.FINAL, ["A-final"]),
+        (p.ERROR, ["B-error"]),
+        (p.FINAL, ["C-final"]),
+    ]
+
+
 def test_partial_then_final_of_one_job_reach_the_client_in_order() -> None:
     s = Scheduler(BrokerConfig())
     s.worker_ready(W1, p.WorkerInfo("w1", "m", 4), 0.0)
