@@ -4,6 +4,7 @@
     python benchmarks/broker_throughput.py --quick    # CI smoke, under a minute
     python benchmarks/broker_throughput.py --profile  # one batched case, broker profiled
     python benchmarks/broker_throughput.py --baseline-ref 39adf1e  # broker cases, that commit's broker vs. this one
+    python benchmarks/broker_throughput.py --scale    # 1 to 1,024 workers, 1 to 64 clients (broker_scale.py), ~3 min
 
 Every party is its own spawned process: the broker; the workers (``EchoWorkerDouble``, the
 *test double* that answers each job at once, as threads spread over ``--worker-procs``
@@ -605,11 +606,27 @@ def compare(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short windows for a CI smoke run (under a minute)")
-    ap.add_argument("--duration", type=float, help="seconds measured per case (default 5, quick 1)")
-    ap.add_argument("--warmup", type=float, help="seconds of load before measuring (default 1, quick 0.25)")
+    ap.add_argument("--duration", type=float, help="seconds measured per case (default 5, --scale 3, quick 1)")
+    ap.add_argument(
+        "--warmup", type=float, help="seconds of load before measuring (default 1, --scale 0.5, quick 0.25)"
+    )
     ap.add_argument("--latency-count", type=int, help="round trips per latency path (default 5000, quick 500)")
     ap.add_argument("--credits", type=int, default=64, help="credits per echo double (vLLM max_num_seqs)")
     ap.add_argument("--worker-procs", type=int, default=2, help="processes the worker threads are spread over")
+    ap.add_argument(
+        "--scale",
+        action="store_true",
+        help="instead of the matrix: the broker's CPU per job and memory with 1 to 1,024 workers and 1 to 64 "
+        "clients (broker_scale.py; '--only scale' too); --quick: 3 shapes",
+    )
+    ap.add_argument("--worker-threads", type=int, default=4, help="with --scale: threads per worker process")
+    ap.add_argument(
+        "--scale-shapes",
+        default="",
+        metavar="CxW,...",
+        help="with --scale: only these CLIENTSxWORKERS shapes (e.g. 8x8,64x1024), instead of the table's",
+    )
+    ap.add_argument("--client-procs", type=int, default=2, help="with --scale: processes the clients are spread over")
     ap.add_argument(
         "--only",
         default="",
@@ -649,8 +666,16 @@ def main() -> None:
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     args.keys_dir = tempfile.mkdtemp(prefix="zr-bench-keys-")
-    args.duration = args.duration or (1.0 if args.quick else 5.0)
-    args.warmup = args.warmup if args.warmup is not None else (0.25 if args.quick else 1.0)
+    scale = args.scale or "scale" in args.only.split(",")
+    if scale:
+        import broker_scale
+
+        try:
+            broker_scale.shapes(args.quick, args.scale_shapes)
+        except ValueError as exc:
+            ap.error(str(exc))
+    args.duration = args.duration or (1.0 if args.quick else 3.0 if scale else 5.0)
+    args.warmup = args.warmup if args.warmup is not None else (0.25 if args.quick else 0.5 if scale else 1.0)
     args.latency_count = args.latency_count or (500 if args.quick else 5000)
 
     if args.profile:
@@ -658,6 +683,9 @@ def main() -> None:
         return
     if args.baseline_ref:
         compare(args)
+        return
+    if scale:
+        broker_scale.run(args)
         return
     started = time.monotonic()
     latency: dict[str, list[int]] = {}

@@ -12,6 +12,7 @@ count only what completes inside the window, then drain and leave.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -140,8 +141,10 @@ def broker(report: Any, tag: str, profile_path: str | None) -> None:
 def wire_fingerprint() -> dict[str, Any]:
     """The protocol as this interpreter's ``zmq_rollout`` speaks it: its signature (which
     carries the protocol version, ``ZR1``) and, per direction and command, the JSON schema of
-    the body without docstrings. Self-contained: ``tree_broker`` runs its source too."""
+    the body without docstrings; a body whose defaults JSON schema cannot hold (a ``msgspec.Raw``)
+    by its ``msgspec.inspect`` type info instead. Self-contained: ``tree_broker`` runs its source too."""
     import msgspec
+    import msgspec.inspect
 
     from zmq_rollout import codec
     from zmq_rollout import protocol as p
@@ -151,8 +154,29 @@ def wire_fingerprint() -> dict[str, Any]:
             return {k: strip(v) for k, v in x.items() if k != "description"}
         return [strip(v) for v in x] if isinstance(x, list) else x
 
+    def plain(x: Any) -> Any:  # type info as JSON, the same in every process
+        if isinstance(x, msgspec.Struct):
+            return {"info": type(x).__name__, **{f: plain(getattr(x, f)) for f in x.__struct_fields__}}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if x is None or isinstance(x, (str, int, float)):
+            return x
+        if isinstance(x, msgspec.Raw):
+            return bytes(x).hex()
+        if isinstance(x, type) or callable(x):
+            return f"{getattr(x, '__module__', '')}.{getattr(x, '__qualname__', type(x).__name__)}"
+        return repr(x)
+
+    def schema(body: Any) -> Any:
+        try:
+            return strip(msgspec.json.schema(body))
+        except TypeError:
+            return plain(msgspec.inspect.type_info(body))
+
     tables = {
-        name: {cmd.hex(): None if body is None else strip(msgspec.json.schema(body)) for cmd, body in table.items()}
+        name: {cmd.hex(): None if body is None else schema(body) for cmd, body in table.items()}
         for name in ("FROM_CLIENT", "TO_CLIENT", "FROM_WORKER", "TO_WORKER")
         for table in (getattr(codec, name),)
     }
@@ -378,6 +402,162 @@ def raw_echoes(report: Any, tag: str, address: str, num: int) -> None:
         threading.Thread(target=_echo_loop, args=(sock,), daemon=True).start()
     report.put(("ready", tag, None))
     threading.Event().wait()
+
+
+# -- many peers per process (broker_scale.py) ------------------------------------------------
+def _many_sockets(num: int) -> zmq.Context[Any]:
+    """The process's context, allowed ``num`` sockets and more (libzmq's default is 1,023)."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    ctx.set(zmq.MAX_SOCKETS, max(ctx.get(zmq.MAX_SOCKETS), num + 64))
+    return ctx
+
+
+def _send_now(sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+    with contextlib.suppress(zmq.Again):
+        sock.send_multipart(frames, zmq.NOBLOCK)
+
+
+def _serve_doubles(
+    socks: dict[zmq.Socket[Any], str], credits: int, heartbeat_s: float, stop: threading.Event, counts: Any, k: int
+) -> None:
+    """Thread ``k`` of ``echo_double_fleet``: serve its doubles' sockets; counts its jobs, JOBS
+    messages and purges in ``counts[3k:3k+3]`` (shared with the parent, this thread's own slots).
+
+    Woken by epoll on each socket's ``zmq.FD``, so a wake-up costs what is ready, not what is
+    registered (``zmq.Poller`` walks every socket on every call: 128 sockets a thread made the
+    doubles outspend the broker). libzmq's rule for that descriptor: after any operation on a
+    socket, look at its ``EVENTS`` before waiting again; so a socket is read until ``EVENTS``
+    shows nothing, and every socket is looked at again after the heartbeats went out."""
+    import select
+
+    from zmq_rollout.testing import echo_result
+
+    epoll, by_fd = select.epoll(), {}
+    for sock in socks:
+        fd = int(sock.getsockopt(zmq.FD))
+        by_fd[fd] = sock
+        epoll.register(fd, select.EPOLLIN)
+    decoder, beat = codec.Decoder(codec.TO_WORKER), codec.encode(p.HEARTBEAT)
+    next_beat = time.monotonic() + heartbeat_s
+    ready = list(socks)
+    while not stop.is_set():
+        if not ready:
+            timeout = max(0.001, min(0.25, next_beat - time.monotonic()))
+            ready = [by_fd[fd] for fd, _ in epoll.poll(timeout)]
+        for sock in ready:
+            name = socks[sock]
+            while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
+                if msg.command == p.JOBS:
+                    sock.send_multipart(codec.encode(p.FINAL, [echo_result(a, name, 0) for a in msg.body]))
+                    counts[3 * k] += len(msg.body)
+                    counts[3 * k + 1] += 1
+                elif msg.command == p.DISCONNECT:  # the broker purged this double: taken for dead
+                    counts[3 * k + 2] += 1
+                    _send_now(sock, codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
+        ready = []
+        if time.monotonic() >= next_beat:
+            for sock in socks:
+                _send_now(sock, beat)
+            next_beat = time.monotonic() + heartbeat_s
+            ready = list(socks)
+    epoll.close()
+
+
+@role
+def echo_double_fleet(
+    report: Any, tag: str, address: str, num: int, credits: int, threads: int, heartbeat_s: float, counts: Any
+) -> None:
+    """``num`` echo worker doubles (TEST DOUBLES: every job answered at once with
+    ``zmq_rollout.testing.echo_result``, as ``EchoWorkerDouble`` answers it), each its own
+    DEALER with its own identity, served by ``threads`` threads of this process, each polling
+    its share of the sockets: 1,024 doubles fit a few processes of a small machine (a thread
+    per double would spend the cores on thread switches). Each announces ``credits`` in READY
+    and heartbeats every ``heartbeat_s`` (the real worker's ``WorkerConfig.heartbeat_interval_s``).
+    A DISCONNECT from the broker (it purged the double, taken for dead) is counted and answered
+    with a fresh READY. ``counts``: a shared array of 3 x ``threads`` integers, per thread the
+    jobs answered, the JOBS messages they came in and the purges, for the parent to read at any
+    time. On SIGTERM: DISCONNECT from each, then ``done``: {"jobs", "purged"}."""
+    ctx = _many_sockets(num)
+    stop = _stop_event()
+    socks: list[dict[zmq.Socket[Any], str]] = [{} for _ in range(max(1, min(threads, num)))]
+    for i in range(num):
+        name = f"{tag}-{i}"
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, name.encode())
+        sock.connect(address)
+        sock.send_multipart(codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
+        socks[i % len(socks)][sock] = name
+    pool = [
+        threading.Thread(target=_serve_doubles, args=(share, credits, heartbeat_s, stop, counts, k), daemon=True)
+        for k, share in enumerate(socks)
+    ]
+    for t in pool:
+        t.start()
+    report.put(("ready", tag, None))
+    stop.wait()
+    for t in pool:
+        t.join()
+    for share in socks:
+        for sock in share:
+            _send_now(sock, codec.encode(p.DISCONNECT))
+            sock.close(linger=100)
+    report.put(("done", tag, {"jobs": sum(counts[0::3]), "purged": sum(counts[2::3])}))
+
+
+@role
+def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, window: int, go: Any, clock: Any) -> None:
+    """``num`` clients as ``submit_client`` runs one (a raw DEALER speaking the protocol
+    through the codec, its own identity, ``window`` SUBMITs of ``batch`` jobs in flight), all
+    served by one thread polling their sockets. Each first sends a HEARTBEAT and waits for
+    the broker's answer: at ``ready`` the broker has registered every one of them."""
+    ctx = _many_sockets(num)
+    decoder = codec.Decoder(codec.TO_CLIENT)
+    socks = []
+    for i in range(num):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"{tag}-{i}".encode())
+        sock.connect(address)
+        sock.send_multipart(codec.encode(p.HEARTBEAT))
+        socks.append(sock)
+    for sock in socks:
+        if not sock.poll(30_000):
+            raise RuntimeError(f"{tag}: the broker did not answer a client's HEARTBEAT within 30 s")
+        sock.recv_multipart()
+    report.put(("ready", tag, None))
+    go.wait()
+    wins = {sock: _Window(clock) for sock in socks}
+    ids = iter(range(1 << 62))
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    t_end = clock[1]
+    while True:
+        now = time.monotonic()
+        if now >= t_end + DRAIN_SECONDS or (now >= t_end and all(w.inflight <= 0 for w in wins.values())):
+            break
+        if now < t_end:
+            for sock, win in wins.items():
+                while win.inflight + batch <= batch * window:
+                    jobs = [p.JobSpec(f"{tag}-{next(ids):x}", SAMPLING, PROMPT) for _ in range(batch)]
+                    sock.send_multipart(codec.encode(p.SUBMIT, jobs))
+                    win.inflight += batch
+        ready = poller.poll(50)
+        now = time.monotonic()
+        for sock, _ in ready:
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                wins[sock].complete(*_count_answer(decoder, frames), now)
+    for sock in socks:
+        sock.send_multipart(codec.encode(p.DISCONNECT))
+        sock.close(linger=100)
+    done = {"jobs": sum(w.done for w in wins.values()), "errors": sum(w.errors for w in wins.values())}
+    report.put(("done", tag, done))
 
 
 # -- clients ---------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""The pure parts of ``benchmarks/broker_scale.py`` (``broker_throughput.py --scale``): the
+shapes it runs, /proc parsing, memory per peer, ratios to 8 x 8, the 1.5x goal, the tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as when run from there
+
+import broker_scale as bs
+
+
+def row(workers: int, clients: int, mode: str, us: float, jobs: int = 1000) -> dict[str, Any]:
+    return {
+        "workers": workers,
+        "clients": clients,
+        "mode": mode,
+        "jobs": jobs,
+        "jobs_per_s": jobs,
+        "broker_us_per_job": us,
+        "jobs_per_jobs_message": 4.0,
+        "cpu_cores": {"server": 0.9, "other": 0.1},
+    }
+
+
+def test_every_shape_runs_the_reference_and_the_goal_case_clients_largest_first() -> None:
+    for quick in (True, False):
+        shapes = bs.shapes(quick)
+        for workers, clients in (bs.REFERENCE, bs.GOAL_SHAPE):
+            assert clients in shapes[workers]
+        assert all(list(c) == sorted(c, reverse=True) for c in shapes.values())
+    full = bs.shapes(False)
+    assert sorted(full) == [1, 8, 64, 256, 1024]
+    assert all(set(c) == {1, 8, 64} for c in full.values())
+
+
+def test_vm_status_reads_kilobytes_as_bytes() -> None:
+    text = "Name:\tpython\nVmPeak:\t  200 kB\nVmHWM:\t   120 kB\nVmRSS:\t   100 kB\nThreads:\t3\n"
+    assert bs.vm_status(text) == {"VmPeak": 204800, "VmHWM": 122880, "VmRSS": 102400}
+
+
+def test_per_peer() -> None:
+    assert bs.per_peer(1000, 5096, 4) == 1024
+    assert bs.per_peer(1000, 1000, 8) == 0
+    assert bs.per_peer(1000, 2000, 0) is None
+
+
+def test_ratios_are_to_the_8x8_case_of_the_same_mode() -> None:
+    rows = [
+        row(8, 8, "batched", 10.0),
+        row(8, 8, "unbatched", 40.0),
+        row(1024, 64, "batched", 14.0),
+        row(1024, 64, "unbatched", 100.0),
+        row(1, 1, "batched", 5.0, jobs=0),
+    ]
+    bs.ratios(rows)
+    assert [r["ratio"] for r in rows] == [1.0, 1.0, 1.4, 2.5, None]
+    result = bs.goal(rows)
+    assert result["ratios"] == {"batched": 1.4, "unbatched": 2.5}
+    assert result["met_per_mode"] == {"batched": True, "unbatched": False}
+    assert result["met"] is False
+
+
+def test_the_goal_is_met_only_in_both_modes_and_unmeasured_without_8x8() -> None:
+    rows = [row(8, 8, "batched", 10.0), row(1024, 64, "batched", 15.0)]
+    bs.ratios(rows)
+    assert bs.goal(rows)["met"] is True  # exactly 1.5x: within
+    rows = [row(1024, 64, "batched", 15.0)]
+    bs.ratios(rows)
+    assert bs.goal(rows) == {"ratio_limit": 1.5, "ratios": {"batched": None}, "met_per_mode": {"batched": None},
+                             "met": None}  # fmt: skip
+    assert bs.goal([])["met"] is None
+
+
+def test_tables_have_a_line_per_shape_and_per_broker() -> None:
+    rows = [row(8, 8, "batched", 10.0), row(8, 8, "unbatched", 40.0), row(1024, 64, "batched", 30.0)]
+    bs.ratios(rows)
+    lines = bs.table(rows)
+    assert len(lines) == 4
+    assert "3.00" in lines[3]
+    assert lines[3].count(" - ") >= 3  # the unbatched window of 1,024 x 64 did not run
+    fleet = {
+        "workers": 1024,
+        "rss_no_peer": 32 << 20,
+        "rss_workers": 64 << 20,
+        "bytes_per_worker": 32768,
+        "clients": 64,
+        "rss_clients": 66 << 20,
+        "bytes_per_client": None,
+        "rss_after_load": 100 << 20,
+        "hwm": 110 << 20,
+        "idle_broker_cores": 0.05,
+    }
+    lines = bs.memory_table([fleet])
+    assert len(lines) == 3
+    assert "32,768" in lines[2]
+    assert "n/a" in lines[2]
+
+
+def test_scale_shapes_are_clients_x_workers() -> None:
+    assert bs.shapes(False, "8x8, 64x1024,1x1024") == {8: (8,), 1024: (64, 1)}
+    for bad in ("8", "8x", "ax8", "0x8", "8x8x8"):
+        with pytest.raises(ValueError, match="shape"):
+            bs.shapes(False, bad)
