@@ -92,7 +92,8 @@ class Scheduler:
         for spec in jobs:
             jid = spec.job_id
             if spec.resubmitted and (jid in queued or jid in running or jid in (client.finished or ())):
-                accepted.append(jid)  # sent again after a restart it did not see: it is (or was) here, once
+                if spec.ack:  # sent again after a restart it did not see: it is (or was) here, once
+                    accepted.append(jid)
             elif jid in queued or jid in running:
                 self.outbox.to_client(
                     identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight")
@@ -116,7 +117,8 @@ class Scheduler:
                 queued[jid] = job = Job(identity, spec, now, spec.cost())
                 queue.append(job)
                 self.num_queued += 1
-                accepted.append(jid)
+                if spec.ack:
+                    accepted.append(jid)
                 new += 1
         if idle and new:
             self._waiting.append(client)

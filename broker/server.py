@@ -41,6 +41,25 @@ _READ_BATCH = 256  # messages per socket per pass, so that neither side starves 
 _job_decoder = msgspec.msgpack.Decoder(p.JobRelay)
 _raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _any = msgspec.msgpack.Decoder()
+_str = msgspec.msgpack.Decoder(str)
+
+
+def submit_ids(header: Any) -> list[str]:
+    """The job ids readable in a SUBMIT's header (each job's first item, when a string); [] if
+    the header is not a list."""
+    try:
+        raws = _raw_list.decode(header)
+    except codec.DECODE_ERRORS:
+        return []
+    ids = []
+    for raw in raws:
+        try:
+            items = _raw_list.decode(raw)
+            if items:
+                ids.append(_str.decode(items[0]))
+        except codec.DECODE_ERRORS:
+            continue
+    return ids
 
 
 def split_submit(header: Any) -> tuple[list[p.JobRelay], list[p.ErrorItem]]:
@@ -269,15 +288,27 @@ class Broker:
         log.warning("bad message from client %r: %s", identity, error)
         self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(key, code, error))
 
+    def _reject_submit(self, identity: bytes, header: Any, reason: str, error: str) -> None:
+        """Refuse a whole message; a SUBMIT's refusal (``header``: its header, else None) names
+        each job whose id can be read (a client that asked for no ACCEPTED cannot tell which of
+        its messages an error without a key is about)."""
+        if header is not None:
+            ids = submit_ids(header)
+            if ids:
+                self.scheduler.stats.count_malformed(reason)
+                log.warning("bad message from client %r: %s", identity, error)
+                for jid in ids:
+                    self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "protocol", error))
+                return
+        self._reject(identity, reason, error)
+
     def _on_client(self, identity: bytes, frames: list[Any], now: float) -> None:
         sched = self.scheduler
         size = sum(len(f) for f in frames)
         if size > self.config.max_message_bytes:
-            self._reject(
-                identity,
-                "oversize",
-                f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}",
-            )
+            error = f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}"
+            submit = len(frames) >= 3 and bytes(frames[0]) == p.SIGNATURE and bytes(frames[1]) == p.SUBMIT
+            self._reject_submit(identity, frames[2] if submit else None, "oversize", error)
             return
         try:
             msg = self._from_client.decode(frames)
@@ -290,9 +321,8 @@ class Broker:
         command = msg.command
         if command == p.SUBMIT:
             if len(msg.body) > p.MAX_JOBS_PER_MESSAGE:
-                self._reject(
-                    identity, "oversize", f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
-                )
+                error = f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
+                self._reject_submit(identity, frames[2], "oversize", error)
                 return
             sched.submit(identity, msg.body, now)
         elif command == p.HEARTBEAT:
@@ -318,7 +348,9 @@ class Broker:
             return
         if len(jobs) + len(errors) > p.MAX_JOBS_PER_MESSAGE:
             n = len(jobs) + len(errors)
-            self._reject(identity, "oversize", f"{n} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}")
+            self._reject_submit(
+                identity, header, "oversize", f"{n} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
+            )
             return
         self.scheduler.stats.rejected_invalid += len(errors)
         for err in errors:

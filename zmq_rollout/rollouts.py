@@ -85,6 +85,7 @@ def make_job(
             lora=lora,
             max_staleness=max_staleness,
             on_stale=on_stale,
+            ack=False,  # this client needs no ACCEPTED (submissions.Unanswered: any answer will do)
             **kwargs,
         )
     except (ValueError, TypeError) as exc:

@@ -13,6 +13,7 @@ import zmq
 
 from zmq_rollout import BusyError, SamplingParams, codec
 from zmq_rollout import protocol as p
+from zmq_rollout.errors import ProtocolError
 from zmq_rollout.testing import echo_result
 
 FROM_BROKER_TO_CLIENT = codec.Decoder(codec.TO_CLIENT)
@@ -158,13 +159,28 @@ def test_oversize_message_is_refused(start_broker: Any, raw_socket: Any) -> None
     client.connect(broker.frontend)
     send(client, p.SUBMIT, [p.JobSpec("big", prompt="x" * 5000)])
     (err,) = receive(client, FROM_BROKER_TO_CLIENT, p.ERROR)
-    assert err.code == "protocol"
+    assert (err.key, err.code) == ("big", "protocol")  # the job is named: its id could be read
     assert "exceeds max_message_bytes=4096" in err.message
     assert broker.malformed() == {"oversize": 1}
     assert broker.jobs("submitted") == 0
     # The same client can go on with messages under the limit.
     send(client, p.SUBMIT, [p.JobSpec("small", prompt="x")])
     assert receive(client, FROM_BROKER_TO_CLIENT, p.ACCEPTED) == ["small"]
+
+
+def test_a_client_that_asks_for_no_accepted_knows_which_message_was_too_big(
+    start_broker: Any, start_client: Any, wait_until: Any
+) -> None:
+    """The reference client asks for no ACCEPTED: an oversize SUBMIT (the client allowed bigger
+    messages than this broker) fails its own job, not the older one still queued."""
+    broker = start_broker(max_message_bytes=4096)  # and no worker: the first job stays queued
+    client = start_client(broker.frontend, max_message_bytes=1 << 20)
+    first = client.submit("x")
+    wait_until(lambda: broker.status().queued == 1, what="the first job to be queued")
+    with pytest.raises(ProtocolError, match="exceeds max_message_bytes=4096"):
+        client.generate("y" * 5000, timeout_s=10)
+    assert not first.done() and broker.status().queued == 1
+    assert broker.malformed() == {"oversize": 1}
 
 
 @pytest.mark.parametrize("with_invalid_job", [False, True], ids=["all-valid", "one-invalid"])
@@ -177,9 +193,10 @@ def test_too_many_jobs_in_one_submit_are_refused(with_invalid_job: bool, start_b
     if with_invalid_job:
         header[0] = raw_job("j0", [0])
     client.send_multipart([p.SIGNATURE, p.SUBMIT, msgpack.packb(header)])
-    (err,) = receive(client, FROM_BROKER_TO_CLIENT, p.ERROR)
-    assert (err.key, err.code) == (None, "protocol")
-    assert f"the limit is {p.MAX_JOBS_PER_MESSAGE}" in err.message
+    errors = receive(client, FROM_BROKER_TO_CLIENT, p.ERROR)  # one per job: each is named
+    assert [e.key for e in errors] == [f"j{i}" for i in range(p.MAX_JOBS_PER_MESSAGE + 1)]
+    assert {e.code for e in errors} == {"protocol"}
+    assert all(f"the limit is {p.MAX_JOBS_PER_MESSAGE}" in e.message for e in errors)
     assert broker.malformed() == {"oversize": 1}
     assert broker.jobs("submitted") == 0
 

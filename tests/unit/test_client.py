@@ -298,7 +298,7 @@ def test_stream_says_restarted_when_its_job_is_accepted_again_after_deltas(start
         if command == p.SUBMIT:
             break
     (job,) = codec.Decoder(codec.FROM_CLIENT).decode([p.SIGNATURE, command, header]).body
-    assert (job.max_staleness, job.on_stale, job.stream) == (0, "restart", True)
+    assert (job.max_staleness, job.on_stale, job.stream, job.ack) == (0, "restart", True, False)  # no ACCEPTED asked
     jid = job.job_id
 
     def send(cmd: bytes, body: Any) -> None:

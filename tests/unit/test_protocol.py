@@ -180,6 +180,7 @@ def test_extra_trailing_array_items_are_ignored() -> None:
         False,
         2,
         "restart",
+        False,
         "future-field",
         99,
     ]
@@ -193,6 +194,7 @@ def test_extra_trailing_array_items_are_ignored() -> None:
         resubmitted=True,
         max_staleness=2,
         on_stale="restart",
+        ack=False,
     )
     assert job == want
     ready = [p.SIGNATURE, p.READY, msgpack.packb(["w0", "tiny", 8, 1, [], 0, 1, {"future": True}])]

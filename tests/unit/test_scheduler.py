@@ -627,3 +627,26 @@ def test_a_resubmitted_job_this_broker_already_answered_is_not_run_again() -> No
     s.tick(10.5)  # the session is older than client_expiry_s: nothing is remembered any more
     s.submit(A, [job("a1", resubmitted=True)], now=10.6)
     assert assigned_ids(s.outbox.take(), W1) == ["a1"]
+
+
+# -- ACCEPTED on request (JobSpec.ack) ---------------------------------------------------------
+def test_only_jobs_that_ask_for_it_are_accepted() -> None:
+    s = make()
+    ready(s, W1, 4)
+    s.submit(A, [job("loud"), job("quiet", ack=False), job("dup", ack=False)], now=0.0)
+    sent = s.outbox.take()
+    assert body(sent, CLIENT, A, p.ACCEPTED) == ["loud"]
+    assert assigned_ids(sent, W1) == ["loud", "quiet", "dup"]
+    s.submit(A, [job("quiet", ack=False, resubmitted=True), job("dup", resubmitted=True)], now=0.1)
+    assert body(s.outbox.take(), CLIENT, A, p.ACCEPTED) == ["dup"]  # a known resubmission, asked for
+    s.submit(A, [job("q2", ack=False)], now=0.2)
+    assert commands(s.outbox.take(), A) == set()  # queued, assigned, and nothing said to the client
+
+
+def test_a_quiet_streamed_job_that_starts_over_is_still_announced() -> None:
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, [job("s", stream=True, ack=False)], now=0.0)
+    assert commands(s.outbox.take(), A) == set()
+    s.worker_gone(W1, "worker left", now=1.0)
+    assert body(s.outbox.take(), CLIENT, A, p.ACCEPTED) == ["s"]  # the client's stream restarts

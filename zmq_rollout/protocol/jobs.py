@@ -187,6 +187,10 @@ class JobSpec(Struct):
     """With ``max_staleness``: ``"abort"`` answers the job with a ``stale`` error (the client
     raises ``StaleRolloutError``); ``"restart"`` runs it again from the start on the fleet's
     weights, at most ``BrokerConfig.max_stale_restarts`` times, then ``stale``."""
+    ack: bool = True
+    """The broker answers ACCEPTED when it queues the job; false: it does not (one message
+    less per SUBMIT; the reference client asks for none). A streamed job that starts over is
+    announced with ACCEPTED either way."""
 
     def __post_init__(self) -> None:
         _check_job(self)
@@ -241,6 +245,7 @@ class JobRelay(Struct):
     session_end: bool = False
     max_staleness: int | None = None
     on_stale: str = "abort"
+    ack: bool = True
 
     def __post_init__(self) -> None:
         _check_job(self)
@@ -277,6 +282,8 @@ def _check_job(job: JobSpec | JobRelay) -> None:
         check_int("max_staleness", job.max_staleness, 0, MAX_VERSION)
     if job.on_stale not in ON_STALE:
         raise ValueError(f"on_stale must be one of {', '.join(ON_STALE)}")
+    if type(job.ack) is not bool:
+        raise ValueError("ack must be a bool")
 
 
 class Assignment(Struct):
