@@ -14,7 +14,9 @@ restarts it from the checkpoint, and it rejoins as a late joiner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -56,6 +58,12 @@ def total(results: list[Any]) -> p.AckResult:
     raise ValueError(f"the engine's ranks answered {results!r}")
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Log the failure of a pause nobody awaits (the round ended first)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("pausing the engine failed: %r", task.exception())
+
+
 class SyncParticipant:
     def __init__(
         self,
@@ -73,6 +81,10 @@ class SyncParticipant:
         self.dirty = False
         """Weights partly overwritten and not yet committed."""
         self._lora_parts: dict[str, Any] = {}
+        self._pausing: asyncio.Future[Any] | None = None
+        """A ``wait``-mode pause sent into the engine and not yet answered (``_paused``)."""
+        self.round_ms: dict[str, float] = {}
+        """This round's milliseconds on this worker, by step and by engine call (logged at commit)."""
         self.handlers: dict[type[p.SyncOp], Handler] = {
             p.Begin: self.begin,
             p.CheckNames: self.check_names,
@@ -98,6 +110,9 @@ class SyncParticipant:
         while True:
             control = await self._steps.get()
             op = control.op
+            started = time.perf_counter()
+            if isinstance(op, p.Begin):
+                self.round_ms = {}
             try:
                 result = await self.handlers[type(op)](op, control)
                 ack = p.ControlAck(control.round_id, op.kind, True, self.engine.weight_version, "", result)
@@ -105,36 +120,70 @@ class SyncParticipant:
                 log.exception("sync step %s failed", op.kind)
                 message = f"{type(exc).__name__}: {exc}"
                 ack = p.ControlAck(control.round_id, op.kind, False, self.engine.weight_version, message)
+            self._add_ms(op.kind, started)
             self._send_ack(ack)
+
+    def _add_ms(self, what: str, started: float) -> None:
+        self.round_ms[what] = self.round_ms.get(what, 0.0) + (time.perf_counter() - started) * 1e3
+
+    async def _timed(self, what: str, call: Awaitable[Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self._add_ms(what, started)
 
     # -- the steps -------------------------------------------------------------------------
     async def begin(self, op: p.Begin, control: p.Control) -> int:
         """Pause generating; answers with the ranks this worker brings to a collective."""
-        if op.pause == "wait":
-            # Let our own jobs finish first (the broker sends no new ones during a round):
-            # every job in flight finishes on the old weights, whatever vLLM's own "wait"
-            # counts as in flight.
-            await self._drain()
-        await self.engine.pause(op.pause)
+        if op.pause != "wait":
+            await self._timed("pause", self.engine.pause(op.pause))
+            return self.engine.config.tensor_parallel_size
+        # Let our own jobs finish first (the broker sends no new ones during a round): every
+        # job in flight finishes on the old weights, whatever vLLM's own "wait" counts as in
+        # flight. Then the engine holds no request, so its pause completes at once, and every
+        # later call into it queues behind the pause: the ack need not wait for its answer
+        # (the next step that calls the engine does, ``_paused``).
+        await self._drain()
+        self._pausing = asyncio.ensure_future(self._timed("pause", self.engine.pause(op.pause)))
+        self._pausing.add_done_callback(_retrieve)
+        await asyncio.sleep(0)  # the pause leaves for the engine (and our own gate closes) before the ack
         return self.engine.config.tensor_parallel_size
+
+    async def _paused(self) -> None:
+        """Wait for the answer to a pause sent by ``begin``; raises if the pause failed."""
+        pausing, self._pausing = self._pausing, None
+        if pausing is not None:
+            await pausing
 
     async def check_names(self, op: p.CheckNames, control: p.Control) -> p.NameCheck:
         have, sent = self.engine.checkpoint_names(), set(op.names)
         return p.NameCheck(sorted(have - sent), sorted(sent - have))
 
     async def in_engine(self, op: p.SyncOp, control: p.Control) -> p.AckResult:
+        await self._paused()
         if isinstance(op, p.BeginUpdate):
             self.dirty = True
-        return total(await self.engine.sync_in_engine(control))
+        return total(await self._timed("engine", self.engine.sync_in_engine(control)))
 
     async def load(self, op: p.LoadShm | p.LoadIpc, control: p.Control) -> p.AckResult:
         """A bucket; the first may begin the update and the last finish it."""
+        await self._paused()  # before any weight moves: a failed pause leaves them clean
         self.dirty = self.dirty or op.begin
         if not op.finish:
             return await self.in_engine(op, control)
-        # The last bucket: reset the prefix cache meanwhile (the engine is paused), so that
-        # commit only has to resume.
-        results, _ = await asyncio.gather(self.engine.sync_in_engine(control), self.engine.clear_prefix_cache())
+        # The last bucket: the engine calls go out together and run in order in the engine
+        # (load and finish, reset the prefix cache, and in wait mode let vLLM's scheduler run
+        # again: no request is in the engine, and none enters before commit opens our own
+        # gate), so that commit makes no call into the engine. In abort and keep modes vLLM
+        # holds requests (queued, or frozen with their KV) that must not run before commit.
+        calls = [
+            self._timed("engine", self.engine.sync_in_engine(control)),
+            self._timed("clear_cache", self.engine.clear_prefix_cache()),
+        ]
+        if self.engine.pause_mode == "wait":
+            calls.append(self._timed("resume_scheduler", self.engine.resume_scheduler()))
+        results, *_ = await asyncio.gather(*calls)
         return total(results)
 
     async def lora_bucket(self, op: p.LoraBucket, control: p.Control) -> int:
@@ -149,14 +198,20 @@ class SyncParticipant:
         return len(op.bucket.tensors)
 
     async def load_lora(self, op: p.LoadLora, control: p.Control) -> int:
+        await self._paused()
         parts, self._lora_parts = self._lora_parts, {}
         return await self.engine.load_lora(op.adapter, parts, dict(op.peft_config))
 
     async def commit(self, op: p.Commit, control: p.Control) -> int:
+        await self._paused()
         self.engine.weight_version = op.version
         self.dirty = False
-        await self.engine.resume()
-        log.info("weights at version %d", op.version)
+        await self._timed("resume", self.engine.resume())
+        log.info(
+            "weights at version %d; this round on the worker (ms): %s",
+            op.version,
+            " ".join(f"{k} {v:.2f}" for k, v in self.round_ms.items()),
+        )
         return op.version
 
     async def abort(self, op: p.Abort, control: p.Control) -> None:
@@ -168,6 +223,8 @@ class SyncParticipant:
         if self.dirty:
             self._fatal(EXIT_WEIGHTS_DIRTY, f"{why} after weights were partly overwritten; restart to reload them")
             return
+        with contextlib.suppress(Exception):  # a failed pause was logged; resume all the same
+            await self._paused()
         await self.engine.resume()
 
     def cancel(self) -> None:

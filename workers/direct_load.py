@@ -36,11 +36,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DirectLoader", "qualifies"]
+__all__ = ["DirectLoader", "parameter_pointers", "qualifies", "static_verdict"]
 
 
 def qualifies(model: Any, model_config: Any, device: Any) -> str:
     """Empty if ``model`` can load directly; else why not (for the log)."""
+    return static_verdict(model, model_config, device) or parameter_pointers(model)[1]
+
+
+def static_verdict(model: Any, model_config: Any, device: Any) -> str:
+    """The part of ``qualifies`` that holds for the model's lifetime (device, quantization,
+    post-load hooks, each layer's method): a worker works it out once per model."""
     if getattr(device, "type", str(device)) != "cuda":
         return f"device {device} (post-load processing repacks weights off CUDA)"
     if getattr(model_config, "quantization", None):
@@ -51,10 +57,18 @@ def qualifies(model: Any, model_config: Any, device: Any) -> str:
         method = getattr(module, "quant_method", None)
         if method is not None and not type(method).__name__.startswith("Unquantized"):
             return f"layer {name} uses {type(method).__name__}"
+    return ""
+
+
+def parameter_pointers(model: Any) -> tuple[dict[str, int], str]:
+    """Each parameter's address, in one walk of the model (what ``DirectLoader.stale``
+    compares), and why the model cannot load directly now (a parameter on the meta device)."""
+    pointers: dict[str, int] = {}
     for name, param in model.named_parameters():
         if param.is_meta:
-            return f"parameter {name} is on the meta device"
-    return ""
+            return pointers, f"parameter {name} is on the meta device"
+        pointers[name] = param.data_ptr()
+    return pointers, ""
 
 
 @dataclass(frozen=True)
@@ -150,15 +164,16 @@ class DirectLoader(BucketLoader):
         self._params: dict[str, torch.Tensor] = {n: p.data for n, p in model.named_parameters()}
         self._by_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in self._params.items() if p.numel()}
         self._plans: dict[tuple[str, Any], _Plan] = {}
+        self._pointers = {n: p.data_ptr() for n, p in self._params.items()}
         self.num_replayed = 0
         self.num_loaded = 0
 
-    def stale(self, model: Any) -> bool:
-        """Whether ``model`` or its parameters' storage changed since the recipes were made."""
+    def stale(self, model: Any, pointers: dict[str, int] | None = None) -> bool:
+        """Whether ``model`` or its parameters' storage changed since the recipes were made
+        (``pointers``: ``parameter_pointers(model)``, if the caller has them already)."""
         if model is not self.model:
             return True
-        now = {n: p.data_ptr() for n, p in model.named_parameters()}
-        return now != {n: p.data_ptr() for n, p in self._params.items()}
+        return (parameter_pointers(model)[0] if pointers is None else pointers) != self._pointers
 
     def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
         """Load a bucket's tensors from ``buffer``; with ``buffer_key`` (a buffer that stays

@@ -125,6 +125,7 @@ class Engine:
         self._running = asyncio.Event()
         self._running.set()
         self._cache_cleared = False
+        self._scheduler_paused = False  # vLLM's own pause, which ``resume_scheduler`` may end before ``resume``
         self.loras: dict[str, Any] = {}  # adapter name -> the LoRARequest jobs naming it use
         self._lora_dir: str | None = None
 
@@ -170,6 +171,7 @@ class Engine:
         self._running.clear()
         self.pause_mode = mode
         self._cache_cleared = False
+        self._scheduler_paused = True
         pause_scheduler = getattr(getattr(self.llm, "engine_core", None), "pause_scheduler_async", None)
         if mode == "wait" and pause_scheduler is not None:
             # Our jobs are drained already (SyncParticipant): nothing can be in flight, so
@@ -184,13 +186,21 @@ class Engine:
         if self.paused and self.pause_mode != "keep":
             self._cache_cleared = bool(await self.llm.reset_prefix_cache())
 
+    async def resume_scheduler(self) -> None:
+        """Let vLLM's scheduler run again while this worker's own pause holds (jobs still wait
+        for ``resume``): for a ``wait``-mode round, whose engine holds no request, sent with the
+        last bucket's load so that ``commit`` makes no call into the engine."""
+        if self._scheduler_paused:
+            self._scheduler_paused = False
+            await self.llm.resume_generation()
+
     async def resume(self) -> None:
         if self._running.is_set():
             return
         if self.pause_mode != "keep" and not self._cache_cleared:
             await self.llm.reset_prefix_cache()  # KV computed under the old weights must not be reused
         self._cache_cleared = False
-        await self.llm.resume_generation()
+        await self.resume_scheduler()
         self._running.set()
 
     async def resumed(self) -> None:

@@ -15,6 +15,7 @@ longer names is unmapped), so memory does not grow with the number of rounds.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from zmq_rollout.weight_sync.cuda_ipc import CudaIpcCache
 from zmq_rollout.weight_sync.shm import attach_shm
 
 from .bucket_loader import BucketLoader, PlainLoader
-from .direct_load import DirectLoader, qualifies
+from .direct_load import DirectLoader, parameter_pointers, static_verdict
 from .layerwise import LayerwiseLoader, reload_api
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class Receiver:
         self.direct: DirectLoader | None = None
         """Name→slice recipes, kept across rounds."""
         self.why_not_direct: str | None = None
+        self._static: tuple[Any, Any, str] | None = None
+        """(model, device, ``static_verdict``): worked out once per model."""
         self.buffer: torch.Tensor | None = None
         """The receive (or shared-memory staging) buffer on the engine's device, reused."""
         self.host_buffer: torch.Tensor | None = None
@@ -51,6 +54,8 @@ class Receiver:
         self.group: CollectiveGroup | None = None
         self.ipc = CudaIpcCache()
         self.num_loaded = 0
+        self.round_ms: dict[str, float] = {}
+        """This round's milliseconds in the engine, by phase (logged when it finishes)."""
         self.handlers: dict[type[p.SyncOp], Callable[[Any, p.Control], int | None]] = {
             p.BeginUpdate: self.begin_update,
             p.LoadShm: self.load_shm,
@@ -84,13 +89,21 @@ class Receiver:
         return torch.device(device)
 
     def _choose_loader(self, direct: bool) -> BucketLoader:
-        model = self.model
-        why_not = qualifies(model, self.model_config, self.device) if direct else "the trainer turned it off"
+        model, device = self.model, self.device
+        pointers: dict[str, int] | None = None
+        if not direct:
+            why_not = "the trainer turned it off"
+        else:
+            if self._static is None or self._static[0] is not model or self._static[1] != device:
+                self._static = (model, device, static_verdict(model, self.model_config, device))
+            why_not = self._static[2]
+            if not why_not:  # one walk of the parameters: on the meta device? moved since the recipes?
+                pointers, why_not = parameter_pointers(model)
         if why_not != self.why_not_direct:
             log.info("weight sync: %s", f"direct load not used: {why_not}" if why_not else "loading directly")
             self.why_not_direct = why_not
         if not why_not:
-            if self.direct is None or self.direct.stale(model):
+            if self.direct is None or self.direct.stale(model, pointers):
                 self.direct = DirectLoader(model)
             return self.direct
         reload = reload_api()
@@ -109,10 +122,13 @@ class Receiver:
             # starts; the transfer that follows overwrites every tensor anyway.
             log.warning("weight sync: a round began before the last one finished; closing it, starting over")
             self.finish_update(p.FinishUpdate(), control)
+        started = time.perf_counter()
+        self.round_ms = {}
         self.loader = self._choose_loader(op.direct)
         self.num_loaded = 0
         with torch.no_grad():
             self.loader.begin()
+        self._add_ms("begin_update", started)
 
     def load_shm(self, op: p.LoadShm, control: p.Control) -> int:
         """Map the segment for this bucket only (never unlinked: the trainer owns it); on an
@@ -144,15 +160,20 @@ class Receiver:
         done, so the trainer may reuse the buffer."""
         if op.begin:
             self.begin_update(p.BeginUpdate(op.direct), control)
+        started = time.perf_counter()
         keep = [*op.live, op.handle.buffer_id]
         self.ipc.retain(keep)
         if self.direct is not None:
             self.direct.forget(set(keep))
         buffer = self.ipc.get(op.handle)
+        self.ipc.wait_ready(op.handle, self.device)  # the trainer may still be packing it
+        self._add_ms("map", started)
         loaded = self.load_buffer(op.bucket, buffer[: op.bucket.nbytes], op.handle.buffer_id)
+        started = time.perf_counter()
+        _synchronize(self.device)  # the loads are done before finish_update's own work
+        self._add_ms("copy_wait", started)
         if op.finish:
             self.finish_update(p.FinishUpdate(), control)
-        _synchronize(self.device)
         if buffer.device != self.device:
             _synchronize(buffer.device)
         return loaded
@@ -210,6 +231,7 @@ class Receiver:
         loader, self.loader = self.loader, None
         if loader is None:
             raise RuntimeError("weight sync: finish_update without begin_update")
+        started = time.perf_counter()
         with torch.no_grad():
             loader.finish()
         for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -217,10 +239,19 @@ class Receiver:
             if reset is not None:
                 reset()  # state derived from the old weights, as vLLM's own reload_weights does
         _synchronize(self.device)
-        log.info("weight sync: round finished (%s), %d tensors loaded", loader.name, self.num_loaded)
+        self._add_ms("finish", started)
+        log.info(
+            "weight sync: round finished (%s), %d tensors loaded; in the engine (ms): %s",
+            loader.name,
+            self.num_loaded,
+            " ".join(f"{k} {v:.2f}" for k, v in self.round_ms.items()),
+        )
         return self.num_loaded
 
     # -- internals -------------------------------------------------------------------------
+    def _add_ms(self, what: str, started: float) -> None:
+        self.round_ms[what] = self.round_ms.get(what, 0.0) + (time.perf_counter() - started) * 1e3
+
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """The reusable buffer's first ``nbytes`` bytes, growing it if it is smaller."""
         import torch
@@ -236,8 +267,10 @@ class Receiver:
 
         if self.loader is None:
             raise RuntimeError("weight sync: a bucket arrived before begin_update")
+        started = time.perf_counter()
         with torch.no_grad():
             self.loader.load(bucket, buffer, buffer_key)
+        self._add_ms("load", started)
         self.num_loaded += len(bucket.tensors)
         return len(bucket.tensors)
 

@@ -9,9 +9,11 @@ fall back to ``load_weights``). Replayed loads must leave the parameters exactly
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from zmq_rollout.workers.direct_load import DirectLoader, qualifies
+from zmq_rollout.workers.direct_load import DirectLoader, parameter_pointers, qualifies
 
 
 class ToyModel(torch.nn.Module):
@@ -96,6 +98,20 @@ def test_stale_when_parameters_move() -> None:
     assert not loader.stale(model)
     model.norm.data = torch.zeros(4)
     assert loader.stale(model) and loader.stale(ToyModel())
+
+
+def test_one_walk_gives_the_pointers_that_stale_compares() -> None:
+    model = ToyModel()
+    loader = DirectLoader(model)
+    pointers, why_not = parameter_pointers(model)
+    assert why_not == "" and not loader.stale(model, pointers)
+    model.norm.data = torch.zeros(4)
+    moved, _ = parameter_pointers(model)
+    assert moved != pointers and loader.stale(model, moved) and loader.stale(model)
+    with torch.device("meta"):
+        on_meta = ToyModel()
+    assert "on the meta device" in parameter_pointers(on_meta)[1]
+    assert "on the meta device" in qualifies(on_meta, SimpleNamespace(quantization=None), torch.device("cuda"))
 
 
 def test_only_unquantized_models_on_cuda_qualify() -> None:

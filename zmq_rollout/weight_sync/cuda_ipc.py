@@ -54,16 +54,17 @@ class CudaIpcTransport(WeightTransport):
         held.pack(0, shipment.buckets[0], shipment.tensors)
 
     async def send(self, rnd: SyncRound, shipment: Shipment) -> None:
-        """Bucket 0 is packed already (``prepare``; maybe still on the GPU's stream)."""
-        import torch
+        """Bucket 0 is packed already (``prepare``; maybe still on the GPU's stream).
 
+        No wait for a pack here: each pack records its buffer's ready event, and a worker's
+        reads wait for it on the GPU, so the step travels while the bytes are still being
+        packed (a worker answers only once its reads are done, so a buffer is reused only
+        after every worker has read it)."""
         ipc = self.buffers
         assert ipc is not None, "prepare() first"
         live = [h.buffer_id for h in ipc.handles]
-        stream = torch.cuda.current_stream(ipc.device)
         buckets = shipment.buckets
         for i, bucket in enumerate(buckets):
-            stream.synchronize()  # bucket i is in its buffer before any worker reads it
             load = asyncio.ensure_future(rnd.step(p.LoadIpc(ipc.handles[i % 2], bucket, live, **shipment.edges(i))))
             if i + 1 < len(buckets):  # pack the next bucket while the workers load this one
                 ipc.pack((i + 1) % 2, buckets[i + 1], shipment.tensors)
@@ -92,6 +93,9 @@ class CudaIpcBuffers:
     """
 
     def __init__(self, size: int, n: int = 2, device: Any = None) -> None:
+        """Each buffer comes with an interprocess CUDA event, exported with it (the handle's
+        ``event_handle``, ``event_sync_required`` False): ``pack`` records it, and a worker's
+        reads wait for it on the GPU (``CudaIpcCache.ready_event``)."""
         import torch
 
         if size <= 0 or n <= 0:
@@ -103,9 +107,14 @@ class CudaIpcBuffers:
         self.pack_plans: dict[Any, list[torch.Tensor]] = {}
         uuid_ = cuda_device_uuid(self.device.index if self.device.index is not None else torch.cuda.current_device())
         self._tensors: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event] = []
         self.handles: list[CudaIpcHandle] = []
         for _ in range(n):
             tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+            ready = torch.cuda.Event(interprocess=True)
+            with torch.cuda.device(self.device):
+                ready.record(torch.cuda.current_stream(self.device))  # created on this device, and exportable
+                ready_handle = bytes(ready.ipc_handle())
             try:
                 shared = tensor.untyped_storage()._share_cuda_()
             except RuntimeError as e:
@@ -113,8 +122,11 @@ class CudaIpcBuffers:
                     f"could not export a CUDA buffer for IPC ({e}); CUDA IPC does not work with "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: unset it in the trainer, or use transport='shm'"
                 ) from e
-            _, handle, storage_size, storage_offset, rc_handle, rc_offset, ev_handle, ev_sync = shared
+            _, handle, storage_size, storage_offset, rc_handle, rc_offset, _ev_handle, _ev_sync = shared
+            # torch's own event (recorded once, at export) is superseded by ``ready``, which
+            # every pack records again: a worker waits for it before each read.
             self._tensors.append(tensor)
+            self._events.append(ready)
             self.handles.append(
                 CudaIpcHandle(
                     uuid.uuid4().hex,
@@ -125,8 +137,8 @@ class CudaIpcBuffers:
                     int(storage_offset),
                     bytes(rc_handle),
                     int(rc_offset),
-                    bytes(ev_handle) if ev_handle else b"",
-                    bool(ev_sync),
+                    ready_handle,
+                    False,
                 )
             )
 
@@ -134,28 +146,39 @@ class CudaIpcBuffers:
         return self._tensors[i]
 
     def pack(self, i: int, bucket: Bucket, tensors_by_name: dict[str, torch.Tensor]) -> None:
-        """``pack`` into buffer ``i``; the buffer's slices for a bucket laid out the same way
-        are kept (never the trainer's tensors), so later rounds pack with one foreach copy."""
+        """``pack`` into buffer ``i``, then record its ready event (on the current stream).
+
+        The buffer's slices for a bucket laid out the same way are kept, as views of each
+        tensor's dtype and shape (never the trainer's tensors), so later rounds pack with one
+        foreach copy straight from the trainer's tensors: no per-tensor view to make, and the
+        copy moves whole elements rather than bytes."""
         import torch
 
         sources = [tensors_by_name[m.name] for m in bucket.tensors]
-        ok = all(t.is_contiguous() and t.device == self.device for t in sources)
+        device = self.device
+        ok = all(t.device == device for t in sources)
         key = (i, tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors))
         dsts = self.pack_plans.get(key) if ok else None
         foreach_copy = getattr(torch, "_foreach_copy_", None)
+        out = self._tensors[i]
         if dsts is None or foreach_copy is None:
-            pack(bucket, tensors_by_name, self._tensors[i])  # checks dtypes and shapes too
+            pack(bucket, tensors_by_name, out)  # checks dtypes and shapes too
             if ok:
                 if len(self.pack_plans) >= 256:
                     self.pack_plans.clear()
-                out = self._tensors[i]
-                self.pack_plans[key] = [out[m.offset : m.offset + m.nbytes] for m in bucket.tensors]
-            return
-        foreach_copy(dsts, [t.detach().reshape(-1).view(torch.uint8) for t in sources])
+                self.pack_plans[key] = [
+                    out[m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)
+                    for m in bucket.tensors
+                ]
+        else:
+            with torch.no_grad():
+                foreach_copy(dsts, sources)
+        self._events[i].record(torch.cuda.current_stream(device))
 
     def close(self) -> None:
         """Drop the buffers: torch frees each once every worker has unmapped it."""
         self._tensors.clear()
+        self._events.clear()
         self.handles.clear()
         self.pack_plans.clear()
 
@@ -170,6 +193,7 @@ class CudaIpcCache:
 
     def __init__(self) -> None:
         self._mapped: dict[str, torch.Tensor] = {}
+        self._events: dict[str, torch.cuda.Event | None] = {}
         self.num_opened = 0
 
     def __len__(self) -> int:
@@ -179,6 +203,29 @@ class CudaIpcCache:
         keep = set(buffer_ids)
         for buffer_id in [b for b in self._mapped if b not in keep]:
             del self._mapped[buffer_id]
+            self._events.pop(buffer_id, None)
+
+    def ready_event(self, handle: CudaIpcHandle) -> torch.cuda.Event | None:
+        """The trainer's ready event for this buffer, opened once: each pack records it, and
+        reads must wait for it (``wait_ready``). None for a handle that carries torch's own
+        export event instead (``event_sync_required``: waited for once, when mapped)."""
+        if handle.buffer_id not in self._events:
+            event = None
+            if handle.event_handle and not handle.event_sync_required:
+                import torch
+
+                event = torch.cuda.Event.from_ipc_handle(self.get(handle).device, handle.event_handle)
+            self._events[handle.buffer_id] = event
+        return self._events[handle.buffer_id]
+
+    def wait_ready(self, handle: CudaIpcHandle, device: torch.device) -> None:
+        """Make ``device``'s current stream wait until the trainer's last pack into this
+        buffer is done (a GPU-side wait: the host does not block)."""
+        event = self.ready_event(handle)
+        if event is not None:
+            import torch
+
+            torch.cuda.current_stream(device).wait_event(event)
 
     def get(self, handle: CudaIpcHandle) -> torch.Tensor:
         tensor = self._mapped.get(handle.buffer_id)
@@ -189,6 +236,7 @@ class CudaIpcCache:
 
     def clear(self) -> None:
         self._mapped.clear()
+        self._events.clear()
 
 
 def open_cuda_ipc(handle: CudaIpcHandle) -> torch.Tensor:
