@@ -28,14 +28,39 @@ __all__ = [
     "named_tensors",
     "pack",
     "plan_buckets",
+    "plan_buckets_cached",
     "tensor_specs",
     "unpack",
 ]
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_PLANS: dict[Any, list[Bucket]] = {}
+
+
+def plan_buckets_cached(
+    named_shapes: list[tuple[str, str, list[int]]], bucket_bytes: int, align: int = 256
+) -> list[Bucket]:
+    """``plan_buckets``, remembered for the last few layouts: a trainer that syncs the same
+    model every step plans it once (the buckets are only read, never changed)."""
+    key = (bucket_bytes, align, tuple((n, d, tuple(s)) for n, d, s in named_shapes))
+    buckets = _PLANS.get(key)
+    if buckets is None:
+        buckets = plan_buckets(named_shapes, bucket_bytes, align)
+        if len(_PLANS) >= 8:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = buckets
+    return buckets
 
 
 def plan_buckets(named_shapes: list[tuple[str, str, list[int]]], bucket_bytes: int, align: int = 256) -> list[Bucket]:

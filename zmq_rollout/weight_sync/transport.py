@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .buckets import Bucket, named_tensors, plan_buckets, tensor_specs
+from .buckets import Bucket, named_tensors, plan_buckets_cached, tensor_specs
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,7 @@ class Shipment:
     def plan(cls, source: Any, bucket_bytes: int, direct_load: bool = True) -> Shipment:
         """``source``: an ``nn.Module`` or ``(name, tensor)`` pairs (see ``named_tensors``)."""
         pairs = named_tensors(source)
-        return cls(dict(pairs), plan_buckets(tensor_specs(pairs), bucket_bytes), direct_load)
+        return cls(dict(pairs), plan_buckets_cached(tensor_specs(pairs), bucket_bytes), direct_load)
 
     @property
     def nbytes(self) -> int:
