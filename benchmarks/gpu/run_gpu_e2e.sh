@@ -33,9 +33,14 @@ case "$WHAT" in
     cp ${WORK_DIR:-/tmp/gpu_e2e}/logs/worker-0.log $OUT/bench_worker.log 2>/dev/null
     grep -E "^\[gpu_e2e|^  |^GPU|^workload|RESULT|Error|Traceback" $OUT/bench.log | grep -v "^  File" | tail -40 ;;
   sync)
-    timeout $LEFT python3 benchmarks/weight_sync.py --json-out $OUT/weight_sync.json --phase-timeout $LEFT "$@" > $OUT/weight_sync.log 2>&1
-    echo "=== weight_sync bench rc=$? at $(el) s"
-    grep -E "^\[weight_sync|^  |^model|Error|Traceback" $OUT/weight_sync.log | grep -v "^  File" | tail -40 ;;
+    # TAG names the outputs, so one call can run several (TAG=7b bash ... sync --shape 7b ...).
+    W=/tmp/weight_sync${TAG:+-$TAG}; rm -rf $W; mkdir -p $W
+    timeout $LEFT python3 benchmarks/weight_sync.py --json-out $OUT/weight_sync${TAG:+-$TAG}.json --phase-timeout $LEFT \
+      --work-dir $W "$@" > $OUT/weight_sync${TAG:+-$TAG}.log 2>&1
+    echo "=== weight_sync bench ${TAG:-} rc=$? at $(el) s"
+    cp $W/worker-0.log $OUT/sync_worker${TAG:+-$TAG}.log 2>/dev/null
+    grep -E "^\[weight_sync|^  |^model|Error|Traceback" $OUT/weight_sync${TAG:+-$TAG}.log | grep -v "^  File" | tail -40
+    grep -E "this round on the worker|in the engine \(ms\)" $OUT/sync_worker${TAG:+-$TAG}.log 2>/dev/null | tail -4 ;;
   *) echo "unknown mode $WHAT (gpu, bench, sync)"; exit 2 ;;
 esac
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
