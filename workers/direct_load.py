@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from zmq_rollout.protocol import Bucket
-from zmq_rollout.weight_sync.buckets import unpack
+from zmq_rollout.weight_sync.buckets import copy_split, split_copies, unpack
 
 from .bucket_loader import BucketLoader
 
@@ -81,11 +81,14 @@ class _Copy:
 @dataclass
 class _Plan:
     """One bucket's copies, resolved to tensors: destination and source views, built once
-    for a buffer that stays mapped (a CUDA IPC buffer) and replayed with one foreach copy."""
+    for a buffer that stays mapped (a CUDA IPC buffer) and replayed with a ``copy_`` per
+    large one and one foreach copy for the rest (``copy_split``)."""
 
     dsts: list[torch.Tensor]
     srcs: list[torch.Tensor]
     slow: list[tuple[str, torch.Tensor]]  # names that go through load_weights
+    big: list[int] = field(default_factory=list)
+    small: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -165,8 +168,29 @@ class DirectLoader(BucketLoader):
         self._by_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in self._params.items() if p.numel()}
         self._plans: dict[tuple[str, Any], _Plan] = {}
         self._pointers = {n: p.data_ptr() for n, p in self._params.items()}
+        # The model's tree as recorded: each submodule in its parent, each parameter object in
+        # its module at its address; ``unchanged`` checks it without walking the model again.
+        self._modules = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()]
+        self._tensors = [
+            (module, name, param, param.data_ptr() if param is not None else 0)
+            for module in model.modules()
+            for name, param in module._parameters.items()
+        ]
         self.num_replayed = 0
         self.num_loaded = 0
+
+    def unchanged(self, model: Any) -> bool:
+        """Whether ``model`` is the one recorded, every submodule and parameter object still in
+        its place, at its address: then the recipes hold, with no walk of the model (a
+        dictionary look-up per module and parameter). False says only: look again (``stale``)."""
+        if model is not self.model:
+            return False
+        if any(parent._modules.get(name) is not child for parent, name, child in self._modules):
+            return False
+        return all(
+            module._parameters.get(name) is param and (param is None or param.data_ptr() == ptr)
+            for module, name, param, ptr in self._tensors
+        )
 
     def stale(self, model: Any, pointers: dict[str, int] | None = None) -> bool:
         """Whether ``model`` or its parameters' storage changed since the recipes were made
@@ -178,11 +202,11 @@ class DirectLoader(BucketLoader):
     def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
         """Load a bucket's tensors from ``buffer``; with ``buffer_key`` (a buffer that stays
         mapped under that name until ``forget``), remember the resolved copies and replay a
-        bucket laid out the same way with a single ``_foreach_copy_``."""
+        bucket laid out the same way from them (``copy_split``)."""
         sig = tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors) if buffer_key else None
         plan = self._plans.get((buffer_key, sig)) if buffer_key else None
         if plan is not None:
-            _copy_all(plan.dsts, plan.srcs)
+            copy_split(plan.dsts, plan.srcs, plan.big, plan.small)
             if plan.slow:
                 self.model.load_weights(plan.slow)
             self.num_replayed += len(plan.dsts)
@@ -207,6 +231,7 @@ class DirectLoader(BucketLoader):
                 dsts, srcs = self._views(recipe, tensor)
                 plan.dsts += dsts
                 plan.srcs += srcs
+        plan.big, plan.small = split_copies(plan.dsts, plan.srcs)
         return plan
 
     def _views(self, recipe: _Recipe, tensor: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -268,14 +293,3 @@ class DirectLoader(BucketLoader):
             self.recipes[name] = None
         else:
             self.recipes[name] = _Recipe((str(tensor.dtype), tuple(tensor.shape)), recorder.copies)
-
-
-def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    import torch
-
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None and dsts:
-        foreach_copy(dsts, srcs)
-        return
-    for d, s in zip(dsts, srcs, strict=True):
-        d.copy_(s)

@@ -91,19 +91,21 @@ class Receiver:
     def _choose_loader(self, direct: bool) -> BucketLoader:
         model, device = self.model, self.device
         pointers: dict[str, int] | None = None
+        kept = False  # the recipes' model, every module and parameter object where it was
         if not direct:
             why_not = "the trainer turned it off"
         else:
             if self._static is None or self._static[0] is not model or self._static[1] != device:
                 self._static = (model, device, static_verdict(model, self.model_config, device))
             why_not = self._static[2]
-            if not why_not:  # one walk of the parameters: on the meta device? moved since the recipes?
+            kept = not why_not and self.direct is not None and self.direct.unchanged(model)
+            if not why_not and not kept:  # walk the parameters: on the meta device? moved?
                 pointers, why_not = parameter_pointers(model)
         if why_not != self.why_not_direct:
             log.info("weight sync: %s", f"direct load not used: {why_not}" if why_not else "loading directly")
             self.why_not_direct = why_not
         if not why_not:
-            if self.direct is None or self.direct.stale(model, pointers):
+            if self.direct is None or (not kept and self.direct.stale(model, pointers)):
                 self.direct = DirectLoader(model)
             return self.direct
         reload = reload_api()

@@ -152,3 +152,13 @@ def test_collective_group_gloo_in_threads() -> None:
             g.close()
 
 
+def test_copy_split_copies_every_pair_big_ones_alone() -> None:
+    from zmq_rollout.weight_sync.buckets import BIG_COPY_BYTES, copy_split, split_copies
+
+    sizes = [BIG_COPY_BYTES // 4, 3, BIG_COPY_BYTES // 4 - 1, 5, 0]  # float32: 1 MiB, 12 B, 1 MiB - 4 B, ...
+    srcs = [torch.randn(n) for n in sizes]
+    dsts = [torch.zeros(n) for n in sizes]
+    big, small = split_copies(dsts, srcs)
+    assert big == [0] and small == [1, 2, 3, 4]
+    copy_split(dsts, srcs, big, small)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))

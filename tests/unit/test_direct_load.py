@@ -114,6 +114,31 @@ def test_one_walk_gives_the_pointers_that_stale_compares() -> None:
     assert "on the meta device" in qualifies(on_meta, SimpleNamespace(quantization=None), torch.device("cuda"))
 
 
+def test_unchanged_sees_any_module_or_parameter_replaced_or_moved() -> None:
+    model = ToyModel()
+    loader = DirectLoader(model)
+    assert loader.unchanged(model) and not loader.unchanged(ToyModel())
+    model.norm.data = torch.zeros(4)  # moved
+    assert not loader.unchanged(model)
+    model = ToyModel()
+    loader = DirectLoader(model)
+    model.norm = torch.nn.Parameter(model.norm.detach().clone())  # another object
+    assert not loader.unchanged(model)
+    model = ToyModel()
+    loader = DirectLoader(model)
+    model.sub = torch.nn.Linear(2, 2)  # a module that was not there
+    assert loader.unchanged(model), "a new module is not ours to check; stale() walks the model"
+    with torch.no_grad():
+        model.norm.add_(1)  # written in place: the recipes still hold
+    assert loader.unchanged(model)
+    outer = torch.nn.Module()
+    outer.inner = ToyModel()
+    loader = DirectLoader(outer)
+    assert loader.unchanged(outer)
+    outer.inner = ToyModel()  # a submodule replaced
+    assert not loader.unchanged(outer)
+
+
 def test_only_unquantized_models_on_cuda_qualify() -> None:
     class Config:
         quantization = None

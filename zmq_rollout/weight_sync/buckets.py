@@ -24,11 +24,13 @@ __all__ = [
     "DTYPE_SIZES",
     "Bucket",
     "TensorMeta",
+    "copy_split",
     "dtype_name",
     "named_tensors",
     "pack",
     "plan_buckets",
     "plan_buckets_cached",
+    "split_copies",
     "tensor_specs",
     "unpack",
 ]
@@ -148,3 +150,32 @@ def unpack(bucket: Bucket, buf_uint8: torch.Tensor) -> list[tuple[str, torch.Ten
         (m.name, buf_uint8[m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
         for m in bucket.tensors
     ]
+
+
+BIG_COPY_BYTES = 1 << 20
+"""A copy at least this large gets a ``copy_`` of its own (a memcpy at nearly a flat copy's
+speed on an H200); the smaller ones share one ``_foreach_copy_`` (whose kernel moves a
+7B-shaped model at about 2/3 of that speed: benchmarks/gpu/copy_paths.py)."""
+
+
+def split_copies(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Indices of the copies of at least ``BIG_COPY_BYTES``, and of the rest."""
+    big: list[int] = []
+    small: list[int] = []
+    for i, d in enumerate(dsts):
+        (big if d.numel() * d.element_size() >= BIG_COPY_BYTES else small).append(i)
+    return big, small
+
+
+def copy_split(dsts: list[torch.Tensor], srcs: list[torch.Tensor], big: list[int], small: list[int]) -> None:
+    """``dst.copy_(src)`` for each pair: one ``copy_`` per big one, one foreach copy for the rest."""
+    import torch
+
+    for i in big:
+        dsts[i].copy_(srcs[i])
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None and len(small) > 1:
+        foreach_copy([dsts[i] for i in small], [srcs[i] for i in small])
+        return
+    for i in small:
+        dsts[i].copy_(srcs[i])

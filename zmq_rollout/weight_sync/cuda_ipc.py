@@ -19,7 +19,7 @@ from zmq_rollout import protocol as p
 from zmq_rollout.errors import InvalidRequestError
 from zmq_rollout.protocol import CudaIpcHandle
 
-from .buckets import Bucket, pack
+from .buckets import Bucket, copy_split, pack, split_copies
 from .transport import Shipment, WeightTransport
 
 if TYPE_CHECKING:
@@ -31,8 +31,9 @@ __all__ = ["CudaIpcBuffers", "CudaIpcCache", "CudaIpcTransport", "cuda_device_uu
 
 
 class CudaIpcTransport(WeightTransport):
-    """``load_ipc`` steps over two exported GPU buffers kept across rounds (reallocated only
-    when a bucket outgrows them; workers unmap the old ones when a step no longer names them)."""
+    """``load_ipc`` steps over two exported GPU buffers (one for a one-bucket shipment) kept
+    across rounds (reallocated only when a bucket outgrows them, or a second one is needed;
+    workers unmap the old ones when a step no longer names them)."""
 
     name = "cuda_ipc"
 
@@ -47,10 +48,10 @@ class CudaIpcTransport(WeightTransport):
             raise InvalidRequestError("transport='cuda_ipc' needs CUDA in the trainer; use 'shm' on CPU")
         on_gpu = next((t.device for t in shipment.tensors.values() if t.is_cuda), None)
         device = on_gpu if on_gpu is not None else torch.device("cuda", torch.cuda.current_device())
-        held = self.buffers
-        if held is None or held.size < shipment.largest or held.device != device:
+        held, count = self.buffers, min(2, len(shipment.buckets))  # one bucket needs one buffer
+        if held is None or held.size < shipment.largest or held.device != device or len(held.handles) < count:
             self.close()
-            held = self.buffers = CudaIpcBuffers(shipment.largest, n=2, device=device)
+            held = self.buffers = CudaIpcBuffers(shipment.largest, n=count, device=device)
         held.pack(0, shipment.buckets[0], shipment.tensors)
 
     async def send(self, rnd: SyncRound, shipment: Shipment) -> None:
@@ -104,7 +105,7 @@ class CudaIpcBuffers:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA IPC buffers live on a CUDA device, not {self.device}")
         self.size = size
-        self.pack_plans: dict[Any, list[torch.Tensor]] = {}
+        self.pack_plans: dict[Any, tuple[list[torch.Tensor], list[int], list[int]]] = {}
         uuid_ = cuda_device_uuid(self.device.index if self.device.index is not None else torch.cuda.current_device())
         self._tensors: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event] = []
@@ -149,30 +150,30 @@ class CudaIpcBuffers:
         """``pack`` into buffer ``i``, then record its ready event (on the current stream).
 
         The buffer's slices for a bucket laid out the same way are kept, as views of each
-        tensor's dtype and shape (never the trainer's tensors), so later rounds pack with one
-        foreach copy straight from the trainer's tensors: no per-tensor view to make, and the
-        copy moves whole elements rather than bytes."""
+        tensor's dtype and shape (never the trainer's tensors), so later rounds copy straight
+        from the trainer's tensors (no per-tensor view to make; whole elements, not bytes): a
+        ``copy_`` per large tensor, one foreach copy for the rest (``copy_split``)."""
         import torch
 
         sources = [tensors_by_name[m.name] for m in bucket.tensors]
         device = self.device
         ok = all(t.device == device for t in sources)
         key = (i, tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors))
-        dsts = self.pack_plans.get(key) if ok else None
-        foreach_copy = getattr(torch, "_foreach_copy_", None)
+        plan = self.pack_plans.get(key) if ok else None
         out = self._tensors[i]
-        if dsts is None or foreach_copy is None:
+        if plan is None:
             pack(bucket, tensors_by_name, out)  # checks dtypes and shapes too
             if ok:
                 if len(self.pack_plans) >= 256:
                     self.pack_plans.clear()
-                self.pack_plans[key] = [
+                dsts = [
                     out[m.offset : m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)
                     for m in bucket.tensors
                 ]
+                self.pack_plans[key] = (dsts, *split_copies(dsts, sources))
         else:
             with torch.no_grad():
-                foreach_copy(dsts, sources)
+                copy_split(plan[0], sources, plan[1], plan[2])
         self._events[i].record(torch.cuda.current_stream(device))
 
     def close(self) -> None:
