@@ -337,7 +337,11 @@ def run_fleet(
         vm = memory(pid)
         mem.update(rss_after_load=vm["VmRSS"], hwm=vm["VmHWM"], purged=fleet_counts(counts)[2])
         return rows, mem
-    finally:
+    finally:  # the broker first: doubles that leave before it make it log every heartbeat it cannot send
+        for _, tag, proc in g.procs:
+            if tag == "broker":
+                proc.terminate()
+                proc.join(10)
         g.close()
 
 
@@ -403,8 +407,8 @@ def report(
         print(line)
     print(
         "B/worker, B/client: the growth of VmRSS per peer registered (pages and allocator arenas: meaningful "
-        f"from 64 peers on); after load: after the last window; peak: VmHWM; idle CPU: broker cores over "
-        f"{IDLE_S} s with every worker registered and no client (the workers' heartbeats)"
+        "from 64 peers on); after load: after the last window, its clients gone; peak: VmHWM;\n"
+        f"idle CPU: broker cores over {IDLE_S} s with every worker registered and no client (the workers' heartbeats)"
     )
     purged = sum(f["purged"] for f in fleets)
     requeued = sum(r["requeued"] for r in rows)

@@ -606,7 +606,7 @@ def compare(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short windows for a CI smoke run (under a minute)")
-    ap.add_argument("--duration", type=float, help="seconds measured per case (default 5, --scale 3, quick 1)")
+    ap.add_argument("--duration", type=float, help="seconds measured per case (default 5, --scale 4, quick 1)")
     ap.add_argument(
         "--warmup", type=float, help="seconds of load before measuring (default 1, --scale 0.5, quick 0.25)"
     )
@@ -674,7 +674,7 @@ def main() -> None:
             broker_scale.shapes(args.quick, args.scale_shapes)
         except ValueError as exc:
             ap.error(str(exc))
-    args.duration = args.duration or (1.0 if args.quick else 3.0 if scale else 5.0)
+    args.duration = args.duration or (1.0 if args.quick else 4.0 if scale else 5.0)
     args.warmup = args.warmup if args.warmup is not None else (0.25 if args.quick else 0.5 if scale else 1.0)
     args.latency_count = args.latency_count or (500 if args.quick else 5000)
 
