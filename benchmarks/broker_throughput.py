@@ -660,7 +660,13 @@ def main() -> None:
         help="with --baseline-ref: the 'after' broker is commit REF's (a worktree) instead of this working tree",
     )
     ap.add_argument("--repeats", type=int, default=3, help="with --baseline-ref: before/after pairs per case (median)")
+    ap.add_argument(
+        "--ack", action="store_true", help="the clients' jobs ask for ACCEPTED (JobSpec.ack; off as in the client)"
+    )
     args = ap.parse_args()
+    if args.ack:
+        os.environ[roles.ACK_ENV] = "1"  # the client processes, spawned, read it (roles.ACK)
+        roles.ACK = True
     if args.after_ref and not args.baseline_ref:
         ap.error("--after-ref needs --baseline-ref")
     if args.repeats < 1:

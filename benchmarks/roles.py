@@ -31,6 +31,18 @@ from zmq_rollout import protocol as p
 
 PROMPT = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(100)
 SAMPLING = p.SamplingParams(max_tokens=16)
+ACK_ENV = "ZR_BENCH_ACK"
+ACK = os.environ.get(ACK_ENV) == "1"
+"""Whether the clients' jobs ask for ACCEPTED (``JobSpec.ack``). Off, as the reference client
+sends them (``broker_throughput.py --ack`` turns it on; a broker older than the field ignores
+it and answers ACCEPTED anyway)."""
+
+
+def bench_job(job_id: str) -> p.JobSpec:
+    """A job as the benchmark's clients send it."""
+    return p.JobSpec(job_id, SAMPLING, PROMPT, ack=ACK)
+
+
 RAW_JOB = PROMPT.encode()  # the zmq.proxy baseline's unit of work: 100 opaque bytes
 DRAIN_SECONDS = 3.0
 
@@ -282,7 +294,8 @@ def tree_scheduler(tree: str, rounds: int, samples: int) -> None:
     s = Scheduler(BrokerConfig())
     s.worker_ready(worker, p.WorkerInfo("worker", "model", batch), 0.0)
     s.outbox.take()
-    from_client, from_worker = codec.Decoder(codec.FROM_CLIENT), codec.Decoder(codec.FROM_WORKER)
+    broker_view = getattr(codec, "BROKER_FROM_CLIENT", codec.FROM_CLIENT)  # JobRelay, where the tree has it
+    from_client, from_worker = codec.Decoder(broker_view), codec.Decoder(codec.FROM_WORKER)
     sampling, sample = p.SamplingParams(max_tokens=16), p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
     ids, now, per_job = iter(range(1 << 62)), 0.0, []
     for _ in range(samples):
@@ -541,7 +554,7 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
         if now < t_end:
             for sock, win in wins.items():
                 while win.inflight + batch <= batch * window:
-                    jobs = [p.JobSpec(f"{tag}-{next(ids):x}", SAMPLING, PROMPT) for _ in range(batch)]
+                    jobs = [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)]
                     sock.send_multipart(codec.encode(p.SUBMIT, jobs))
                     win.inflight += batch
         ready = poller.poll(50)
@@ -623,7 +636,7 @@ def submit_client(report: Any, tag: str, address: str, batch: int, window: int, 
 
     def fill() -> None:
         while win.inflight + batch <= limit:
-            jobs = [p.JobSpec(f"{tag}-{next(ids):x}", SAMPLING, PROMPT) for _ in range(batch)]
+            jobs = [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)]
             sock.send_multipart(codec.encode(p.SUBMIT, jobs))
             win.inflight += batch
 
@@ -698,11 +711,11 @@ def latency_client(report: Any, tag: str, address: str, kind: str, count: int, w
             sock.send(RAW_JOB)
             sock.recv()
         else:
-            frames = codec.encode(p.SUBMIT, [p.JobSpec(f"{tag}-{i:x}", SAMPLING, PROMPT)])
+            frames = codec.encode(p.SUBMIT, [bench_job(f"{tag}-{i:x}")])
             start = time.perf_counter_ns()
             sock.send_multipart(frames)
             while sock.recv_multipart()[1] != p.FINAL:
-                pass  # ACCEPTED comes first
+                pass  # ACCEPTED comes first, when asked for
         if i >= warmup:
             samples.append(time.perf_counter_ns() - start)
     if kind != "raw":
