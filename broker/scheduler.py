@@ -63,6 +63,13 @@ class Scheduler:
         self.defer_dispatch = False
         self.dispatch_pending = False
         self.sync = SyncCoordinator(self, self.config.round_idle_timeout_s)
+        self._heap: Heap = []
+        """Workers that may take jobs, least loaded first (``_entry``), kept between passes: an
+        entry is pushed when a worker's load changes (``_offer``) and checked when popped
+        (its key must be the worker's current one); rebuilt whole (``_rebuild``) when workers
+        come, go or change credits or ``accepting``, on every ``tick``, and when stale entries
+        outnumber twice the workers. Dispatching one job costs O(log workers), not O(workers)."""
+        self._rebuild = True
         self.affinity = Affinity(self.config, self.stats.sessions)
 
     @property
@@ -160,6 +167,7 @@ class Scheduler:
             running = worker.running.pop(where[1], None)
             if running is not None:
                 worker.credits_used -= running.cost
+                self._offer(worker)
                 self.outbox.to_worker(worker.identity, p.CANCEL, where[1])
         return True
 
@@ -180,7 +188,32 @@ class Scheduler:
         self.dispatch_soon(now)  # its credits are free for the others
 
     # -- workers ---------------------------------------------------------------------------
+    def workers_changed(self) -> None:
+        """Which workers may take jobs, or their credits, changed: rebuild the dispatch heap."""
+        self._rebuild = True
+
+    def _offer(self, w: WorkerState) -> None:
+        """``w``'s load changed: its new place on the dispatch heap, if it may take a job (the
+        old entry goes stale). Stale entries are bounded: past twice the workers, the heap is
+        dropped and rebuilt at the next dispatch."""
+        if w.accepting and w.credits_used < w.credits:
+            heap = self._heap
+            if len(heap) > 2 * len(self.workers) + 64:
+                heap.clear()
+                self._rebuild = True
+            else:
+                heapq.heappush(heap, (w.credits_used / w.credits, w.last_pick, w.identity, w))
+
+    def _dispatch_heap(self) -> Heap:
+        """The dispatch heap, rebuilt from the workers first if something rare changed."""
+        if self._rebuild:
+            self._rebuild = False
+            self._heap = [_entry(w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
+            heapq.heapify(self._heap)
+        return self._heap
+
     def worker_ready(self, identity: WorkerId, info: p.WorkerInfo, now: float) -> None:
+        self._rebuild = True
         worker = self.workers.get(identity)
         if worker is None:
             worker = self.workers[identity] = WorkerState(
@@ -217,6 +250,7 @@ class Scheduler:
         worker = self.worker_seen(identity, now)
         if worker is not None:
             worker.credits = max(0, credits)
+            self._rebuild = True
             self.dispatch_soon(now)
 
     def worker_partial(self, identity: WorkerId, deltas: list[p.DeltaRelay], now: float) -> None:
@@ -292,6 +326,7 @@ class Scheduler:
         if client is not None and spec.on_stale == "restart" and job.restarts < self.config.max_stale_restarts:
             del worker.running[job.ticket]
             worker.credits_used -= job.cost
+            self._offer(worker)
             client.running.pop(spec.job_id, None)
             job.restarts += 1
             job.attempts -= 1  # it was not lost: a restart does not count toward max_attempts
@@ -337,6 +372,7 @@ class Scheduler:
             self.stats.late_replies += 1
             return None
         worker.credits_used -= job.cost
+        self._offer(worker)
         client = self.clients.get(job.client)
         if client is not None:
             client.running.pop(job.spec.job_id, None)
@@ -349,6 +385,7 @@ class Scheduler:
         worker = self.workers.pop(identity, None)
         if worker is None:
             return
+        self._rebuild = True
         self.sync.forget(identity, reason, now)
         self._unhold(self.affinity.worker_gone(identity))  # its sessions' turns go anywhere
         requeued = failed = 0
@@ -402,6 +439,7 @@ class Scheduler:
             if client.finished is not None and now - client.since > cfg.client_expiry_s:
                 client.finished = None  # past the time a resubmission comes in
         self.sync.tick(now)
+        self._rebuild = True  # a safety net: whatever changed unseen is seen within a tick
         self.affinity.expire(now)
         self.stats.forget_gone_workers(now)
         for identity in self.workers:
@@ -446,53 +484,45 @@ class Scheduler:
         self._unhold(self.affinity.release_due(now))
         if not self._waiting:
             return
-        heap: Heap = [_entry(w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
-        if not heap:
-            return
-        heapq.heapify(heap)
+        heap = self._dispatch_heap()
         blocked: list[ClientState] = []
         waiting = self._waiting
         holds = self.affinity.holds
         jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
-        stale = False  # a heap entry's load is out of date (a job went to a worker not popped)
         while waiting and heap:
             client = waiting.popleft()
-            found = self._next(client, heap, stale, now)
+            found = self._next(client, heap, now)
             if found is None:
                 if client.queue or holds(client.identity):
                     blocked.append(client)  # no eligible worker now; keep its place for later
                 continue
-            job, worker, popped = found
-            self._assign(worker, client, job, now, jobs_to)
-            if not popped:
-                stale = True
-            elif worker.credits_used < worker.credits:
-                heapq.heappush(heap, (worker.credits_used / worker.credits, worker.last_pick, worker.identity, worker))
+            job, worker = found
+            self._assign(worker, client, job, now, jobs_to)  # its new entry is on the heap
             if client.queue or holds(client.identity):
                 waiting.append(client)
         waiting.extendleft(reversed(blocked))
 
-    def _next(self, client: ClientState, heap: Heap, stale: bool, now: float) -> tuple[Job, WorkerState, bool] | None:
-        """The job ``client`` sends in its turn, its worker, and whether that was popped from
-        ``heap``: a held turn whose worker has room, else its queue's head (to its session's
-        worker if that has room; held if that is full; else to the least loaded)."""
+    def _next(self, client: ClientState, heap: Heap, now: float) -> tuple[Job, WorkerState] | None:
+        """The job ``client`` sends in its turn and its worker: a held turn whose worker has
+        room, else its queue's head (to its session's worker if that has room; held if that
+        is full; else to the least loaded on ``heap``)."""
         aff, cid = self.affinity, client.identity
         if aff.holds(cid):
             entry = aff.ready(cid, heap)
             if entry is not None:
-                return self._dequeue(client, aff.take(entry)), self.workers[entry.worker], False
+                return self._dequeue(client, aff.take(entry)), self.workers[entry.worker]
         while (job := self._head(client)) is not None:
             target = None if job.spec.session_id is None else aff.target(cid, job, self.workers)
             if target is not None:
                 if fits(target, job):
-                    return self._dequeue(client, client.queue.popleft()), target, False
+                    return self._dequeue(client, client.queue.popleft()), target
                 if aff.hold(cid, job, target.identity, now):
                     client.queue.popleft()
                     continue
-            worker = self._pick(heap, job, stale)
+            worker = self._pick(heap, job)
             if worker is None:
                 return None
-            return self._dequeue(client, client.queue.popleft()), worker, True
+            return self._dequeue(client, client.queue.popleft()), worker
         return None
 
     def _dequeue(self, client: ClientState, job: Job) -> Job:
@@ -508,21 +538,20 @@ class Scheduler:
         return queue[0] if queue else None
 
     @staticmethod
-    def _pick(heap: Heap, job: Job, stale: bool) -> WorkerState | None:
-        """Pop the least loaded worker that can take ``job``; others go back on the heap. With
-        ``stale``, an entry whose load changed (a job went to it unpopped) is renewed first."""
+    def _pick(heap: Heap, job: Job) -> WorkerState | None:
+        """Pop the least loaded worker that can take ``job`` (its entry is used up: ``_assign``
+        offers it anew); entries of workers that cannot take it now go back on the heap, and
+        stale ones (the worker's load, last job or ``accepting`` changed since) are dropped:
+        the worker's current entry is on the heap too, if it may take a job."""
         skipped = []
         found = None
         while heap:
             entry = heapq.heappop(heap)
             w = entry[3]
-            free = w.credits_free
-            if free <= 0:
-                continue  # filled up while on the heap
-            if stale and entry[:2] != (w.load(), w.last_pick):
-                heapq.heappush(heap, _entry(w))
+            used, credits = w.credits_used, w.credits
+            if used >= credits or not w.accepting or entry[1] != w.last_pick or entry[0] != used / credits:
                 continue
-            if (job.cost <= free or w.credits_used == 0) and w.weight_version >= job.spec.min_weight_version:
+            if (job.cost <= credits - used or used == 0) and w.weight_version >= job.spec.min_weight_version:
                 found = w
                 break
             skipped.append(entry)
@@ -548,6 +577,7 @@ class Scheduler:
         if out is None:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
         out.append(p.AssignmentRelay(ticket, spec))
+        self._offer(worker)
         if spec.session_id is not None:
             self.affinity.dispatched(client.identity, job, identity, now)
 

@@ -50,6 +50,9 @@ class Fleet(Protocol):
     def dispatch_soon(self, now: float) -> None:
         """Workers may take jobs again."""
 
+    def workers_changed(self) -> None:
+        """Which workers take jobs changed (``accepting``)."""
+
 
 @dataclass(eq=False)
 class Step:
@@ -120,6 +123,7 @@ class SyncCoordinator:
         for identity, w in workers.items():
             members[identity] = max(1, w.info.num_ranks)
             w.accepting = False  # no new jobs until the round ends for it
+        self.fleet.workers_changed()
         names = {i: workers[i].info.name for i in members}
         rnd = self.round = Round(next(self._ids), client, members, names, now, started=now)
         assert isinstance(msg.op, p.Begin)
@@ -184,6 +188,7 @@ class SyncCoordinator:
                 w = workers.get(identity)
                 if w is not None:
                     w.accepting = self.is_current(w)
+                    self.fleet.workers_changed()
         if rnd.lost:
             step.evicted[:0], rnd.lost = rnd.lost, []
         if step.op == "commit":
@@ -202,6 +207,7 @@ class SyncCoordinator:
         self.fleet.stats.sync.round_done(outcome, now - rnd.started)
         for w in self.fleet.workers.values():  # members, and any worker that joined during the round
             w.accepting = self.is_current(w)
+        self.fleet.workers_changed()
         log.info("sync round %d ended (%s); fleet version %d", rnd.round_id, why, self.fleet_version)
         self.fleet.dispatch_soon(now)
 

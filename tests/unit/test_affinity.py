@@ -76,6 +76,7 @@ def occupy(s: Scheduler, worker: bytes, now: float) -> p.Assignment:
     s.submit(B, [turn(f"filler-{now}", None)], now)
     for w in others:
         w.accepting = True
+    s.workers_changed()  # as a sync round says when it lets workers take jobs again
     ((to, (assignment,)),) = assignments(s.outbox.take()).items()
     assert to == worker
     return assignment
