@@ -448,7 +448,7 @@ class Scheduler:
     # -- dispatch --------------------------------------------------------------------------
     def dispatch_soon(self, now: float) -> None:
         """Dispatch now, or, when the socket loop batches (``defer_dispatch``), once at the
-        end of its pass: one heap of workers per pass instead of one per message."""
+        end of its pass: one pass per loop iteration instead of one per message."""
         if self.defer_dispatch:
             self.dispatch_pending = True
         else:
