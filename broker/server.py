@@ -64,26 +64,25 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
 
 _job_decoder = msgspec.msgpack.Decoder(p.JobRelay)
 _raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_any = msgspec.msgpack.Decoder()
 _str = msgspec.msgpack.Decoder(str)
 
 
+def job_id_of(raw: Any) -> str | None:
+    """A raw job's id: its first item, when that is a string (else None)."""
+    try:
+        items = _raw_list.decode(raw)
+        return _str.decode(items[0]) if items else None
+    except codec.DECODE_ERRORS:
+        return None
+
+
 def submit_ids(header: Any) -> list[str]:
-    """The job ids readable in a SUBMIT's header (each job's first item, when a string); [] if
-    the header is not a list."""
+    """The job ids readable in a SUBMIT's header; [] if the header is not a list."""
     try:
         raws = _raw_list.decode(header)
     except codec.DECODE_ERRORS:
         return []
-    ids = []
-    for raw in raws:
-        try:
-            items = _raw_list.decode(raw)
-            if items:
-                ids.append(_str.decode(items[0]))
-        except codec.DECODE_ERRORS:
-            continue
-    return ids
+    return [jid for jid in map(job_id_of, raws) if jid is not None]
 
 
 def split_submit(header: Any) -> tuple[list[p.JobRelay], list[p.ErrorItem]]:
@@ -99,12 +98,7 @@ def split_submit(header: Any) -> tuple[list[p.JobRelay], list[p.ErrorItem]]:
         try:
             jobs.append(_job_decoder.decode(raw))
         except codec.DECODE_ERRORS as exc:
-            try:
-                obj = _any.decode(raw)
-            except codec.DECODE_ERRORS:
-                obj = None
-            key = obj[0] if isinstance(obj, list) and obj and isinstance(obj[0], str) else None
-            errors.append(p.ErrorItem(key, "invalid_request", f"invalid job: {exc}"))
+            errors.append(p.ErrorItem(job_id_of(raw), "invalid_request", f"invalid job: {exc}"))
     return jobs, errors
 
 
