@@ -1,0 +1,174 @@
+"""Interleaved pairs for ``gpu_e2e.py --phases pairs``: direct ``AsyncLLM`` and the service, both alive.
+
+One process holds both: the service (``LocalCluster``: a broker thread and one worker
+process, at the same priority as this one) and a direct ``AsyncLLM`` built with exactly the
+worker's engine arguments, each with its share of the GPU (``--gpu-memory-utilization``,
+``--kv-cache-gib``). Start-up and CUDA-graph capture are paid once; then each pair runs the
+same batch (prompts, per-prompt seeds) on one side and then on the other, the order
+alternating from pair to pair, so neither side profits from going first and both see the
+same machine within seconds of each other.
+
+Each batch also records the CPU seconds of every process it touches (``Cpu``): this process
+(the client, or the direct ``AsyncLLM``'s front end: never both at once) without the broker
+thread, the broker thread, the worker process, the worker's engine core and the direct
+engine core. The idle side's figures show what sleeping costs; the busy side's, where the
+time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import psutil
+from gpu_e2e import batches, log, sampling, summarize, worker_config
+
+
+def _cpu(proc: psutil.Process) -> float:
+    try:
+        t = proc.cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
+class Cpu:
+    """CPU seconds used so far by each part of the run, by name (``snapshot``)."""
+
+    def __init__(self, worker_pid: int, broker_thread: threading.Thread) -> None:
+        self.me = psutil.Process()
+        self.worker = psutil.Process(worker_pid)
+        self.broker_tid = broker_thread.native_id
+
+    def snapshot(self) -> dict[str, float]:
+        broker = next((t.user_time + t.system_time for t in self.me.threads() if t.id == self.broker_tid), 0.0)
+        try:
+            worker_tree = {self.worker.pid, *(c.pid for c in self.worker.children(recursive=True))}
+            mine = self.me.children(recursive=True)
+            worker_kids = self.worker.children(recursive=True)
+        except psutil.Error:
+            worker_tree, mine, worker_kids = set(), [], []
+        return {
+            "client_or_direct_frontend": _cpu(self.me) - broker,
+            "broker": broker,
+            "worker": _cpu(self.worker),
+            "worker_engine_core": sum(_cpu(c) for c in worker_kids),
+            "direct_engine_core": sum(_cpu(c) for c in mine if c.pid not in worker_tree),
+        }
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {k: round(after[k] - before.get(k, 0.0), 3) for k in after}
+
+
+async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
+    import vllm
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from zmq_rollout.client import AsyncRolloutClient, make_job
+    from zmq_rollout.local import LocalCluster
+    from zmq_rollout.workers.engine import engine_args
+    from zmq_rollout.workers.sampling import vllm_sampling
+
+    cfg = worker_config(args)
+    overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_gib": cfg.kv_cache_gib,
+                 "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
+                 "enforce_eager": cfg.enforce_eager, "attention_backend": cfg.attention_backend,
+                 "seed": cfg.seed}  # fmt: skip
+    os.makedirs(args.log_dir, exist_ok=True)
+    cluster = LocalCluster(args.model, num_workers=1, worker_overrides=overrides, log_dir=args.log_dir,
+                           worker_niceness=0)  # fmt: skip
+    started = time.monotonic()
+    cluster.start(wait_s=args.start_timeout)
+    service_startup = time.monotonic() - started
+    log(f"pairs: service up in {service_startup:.1f} s ({overrides})")
+    llm = None
+    try:
+        started = time.monotonic()
+        llm = AsyncLLM.from_engine_args(engine_args(cfg))
+        direct_startup = time.monotonic() - started
+        log(f"pairs: direct AsyncLLM up in {direct_startup:.1f} s (vLLM {vllm.__version__})")
+        assert cluster.broker is not None
+        cpu = Cpu(cluster.workers["worker-0"].pid, cluster.broker._thread)
+        work = batches(args)
+        async with AsyncRolloutClient(cluster.address, timeout_s=args.batch_timeout,
+                                      batch_size=max(512, args.num_prompts)) as client:  # fmt: skip
+
+            async def direct(label: str, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[Any]:
+                async def one(i: int, ids: list[int], seed: int) -> list[int]:
+                    params = vllm_sampling(sampling(args, seed, max_tokens), stream=False)
+                    final = None
+                    async for out in llm.generate({"prompt_token_ids": ids}, params, f"d-{label}-{i}"):
+                        final = out
+                    assert final is not None and final.finished
+                    return list(final.outputs[0].token_ids)
+
+                return await asyncio.gather(
+                    *(one(i, ids, s) for i, (ids, s) in enumerate(zip(prompts, seeds, strict=True)))
+                )
+
+            async def service(label: str, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[Any]:
+                jobs = [make_job(f"s-{label}-{i}", ids, sampling(args, seed, max_tokens))
+                        for i, (ids, seed) in enumerate(zip(prompts, seeds, strict=True))]  # fmt: skip
+                handles = await client.submit_jobs(jobs)
+                results = await asyncio.wait_for(asyncio.gather(*(h.future for h in handles)), args.batch_timeout)
+                return [list(r.samples[0].token_ids) for r in results]
+
+            sides = {"direct": direct, "service": service}
+
+            async def measure(side: str, label: str, prompts: Any, seeds: Any, max_tokens: int) -> dict[str, Any]:
+                before = cpu.snapshot()
+                t0 = time.perf_counter()
+                tokens = await sides[side](label, prompts, seeds, max_tokens)
+                wall = time.perf_counter() - t0
+                row = summarize(f"{side} {label}", sum(map(len, tokens)), wall, len(prompts) * max_tokens)
+                row["cpu_s"] = Cpu.delta(before, cpu.snapshot())
+                row["side"] = side
+                row["first_tokens"] = tokens
+                log("    cpu s: " + ", ".join(f"{k} {v:.2f}" for k, v in row["cpu_s"].items()))
+                return row
+
+            warm, *measured = work
+            for side in sides:  # each side warms up once (and again between pairs, never)
+                await measure(side, *warm)
+            pairs = []
+            for k, batch in enumerate(measured):
+                order = ("direct", "service") if k % 2 == 0 else ("service", "direct")
+                rows = {side: await measure(side, *batch) for side in order}
+                same = sum(a == b for a, b in zip(rows["direct"].pop("first_tokens"),
+                                                     rows["service"].pop("first_tokens"), strict=True))  # fmt: skip
+                ratio = rows["service"]["tokens_per_s"] / rows["direct"]["tokens_per_s"]
+                log(f"  pair {k + 1} ({' then '.join(order)}): service/direct {ratio:.2%}; "
+                    f"identical sequences {same}/{len(batch[1])}")  # fmt: skip
+                pairs.append({"pair": k + 1, "order": list(order), "ratio": round(ratio, 4),
+                              "identical_sequences": same, **rows})  # fmt: skip
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        cluster.stop()
+    ratios = [pr["ratio"] for pr in pairs]
+    return {"vllm_version": vllm.__version__, "service_startup_s": round(service_startup, 1),
+            "direct_startup_s": round(direct_startup, 1), "pairs": pairs,
+            "ratio_min": min(ratios), "ratio_median": round(statistics.median(ratios), 4),
+            "pairs_at_goal": sum(r >= 0.98 for r in ratios)}  # fmt: skip
+
+
+def report(data: dict[str, Any]) -> None:
+    """The pairs as a table: tok/s of each side, the ratio, and CPU seconds per process."""
+    print()
+    print(f"{'pair':>4} {'order':>16} {'direct tok/s':>13} {'service tok/s':>14} {'ratio':>7}   "
+          "CPU s, direct batch | service batch: frontend/client, broker, worker, its core, direct core")  # fmt: skip
+    for pr in data["pairs"]:
+        d, s = pr["direct"], pr["service"]
+        cpu = " | ".join(" ".join(f"{v:.1f}" for v in row["cpu_s"].values()) for row in (d, s))
+        order = ">".join(x[0] for x in pr["order"])
+        print(f"{pr['pair']:>4} {order:>16} {d['tokens_per_s']:>13,.0f} {s['tokens_per_s']:>14,.0f} "
+              f"{pr['ratio']:>7.2%}   {cpu}")  # fmt: skip
+    verdict = "MET" if data["pairs_at_goal"] == len(data["pairs"]) and len(data["pairs"]) >= 3 else "NOT MET"
+    print(f"ratio service/direct: min {data['ratio_min']:.2%}, median {data['ratio_median']:.2%}; "
+          f"{data['pairs_at_goal']}/{len(data['pairs'])} pairs >= 98% -> goal {verdict}")  # fmt: skip
