@@ -33,9 +33,10 @@ class BucketLoader(ABC):
         """Prepare the model to receive a round's weights."""
 
     @abstractmethod
-    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
+    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None, layout: str = "") -> None:
         """Load ``bucket``'s tensors from ``buffer``. ``buffer_key``: the buffer stays mapped
-        under this name (a CUDA IPC buffer), so plans that refer to it may be kept."""
+        under this name (a CUDA IPC buffer), so plans that refer to it may be kept; ``layout``:
+        the trainer's name for the bucket's layout (``load_ipc2``), if it has one."""
 
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Process what is pending; the model is whole again."""
@@ -49,7 +50,7 @@ class PlainLoader(BucketLoader):
     def __init__(self, model: Any, model_config: Any, device: Any) -> None:
         self.model, self.model_config, self.device = model, model_config, device
 
-    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
+    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None, layout: str = "") -> None:
         self.model.load_weights(unpack(bucket, buffer))
 
     def finish(self) -> None:

@@ -25,6 +25,7 @@ import msgspec
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.weight_sync.buckets import unpack
+from zmq_rollout.weight_sync.cuda_ipc import BucketLayouts, UnknownLayout
 
 from .engine import Engine
 
@@ -85,6 +86,8 @@ class SyncParticipant:
         """A ``wait``-mode pause sent into the engine and not yet answered (``_paused``)."""
         self.round_ms: dict[str, float] = {}
         """This round's milliseconds on this worker, by step and by engine call (logged at commit)."""
+        self.layouts = BucketLayouts()
+        """The ``load_ipc2`` layouts its engine was sent in full (the engine keeps the same ones)."""
         self.handlers: dict[type[p.SyncOp], Handler] = {
             p.Begin: self.begin,
             p.CheckNames: self.check_names,
@@ -167,7 +170,18 @@ class SyncParticipant:
         return total(await self._timed("engine", self.engine.sync_in_engine(control)))
 
     async def load(self, op: p.LoadShm | p.LoadIpc, control: p.Control) -> p.AckResult:
-        """A bucket; the first may begin the update and the last finish it."""
+        """A bucket; the first may begin the update and the last finish it. A ``load_ipc2``
+        whose layout its engine was never sent fails at once, the weights untouched."""
+        if isinstance(op, p.LoadIpc):
+            if not op.bucket.tensors and op.layout not in self.layouts:
+                raise UnknownLayout(f"{p.UNKNOWN_LAYOUT} {op.layout!r}: never sent to this worker")
+            result = await self._load(op, control)
+            if op.bucket.tensors:
+                self.layouts.resolve(op)  # the engine holds it now
+            return result
+        return await self._load(op, control)
+
+    async def _load(self, op: p.LoadShm | p.LoadIpc, control: p.Control) -> p.AckResult:
         await self._paused()  # before any weight moves: a failed pause leaves them clean
         self.dirty = self.dirty or op.begin
         if not op.finish:

@@ -199,11 +199,14 @@ class DirectLoader(BucketLoader):
             return True
         return (parameter_pointers(model)[0] if pointers is None else pointers) != self._pointers
 
-    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
+    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None, layout: str = "") -> None:
         """Load a bucket's tensors from ``buffer``; with ``buffer_key`` (a buffer that stays
         mapped under that name until ``forget``), remember the resolved copies and replay a
-        bucket laid out the same way from them (``copy_split``)."""
-        sig = tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors) if buffer_key else None
+        bucket laid out the same way from them (``copy_split``): the same ``layout`` name, or
+        without one the same names, dtypes, shapes and offsets."""
+        sig: Any = None
+        if buffer_key:
+            sig = layout or tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors)
         plan = self._plans.get((buffer_key, sig)) if buffer_key else None
         if plan is not None:
             copy_split(plan.dsts, plan.srcs, plan.big, plan.small)

@@ -53,7 +53,7 @@ class LayerwiseLoader(BucketLoader):
         with torch.no_grad():
             self.reload.initialize_layerwise_reload(self.model)
 
-    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> None:
+    def load(self, bucket: Bucket, buffer: torch.Tensor, buffer_key: str | None = None, layout: str = "") -> None:
         tensors = unpack(bucket, buffer)
         if self.registry is None:  # we cannot find the views a waiting layer keeps: copy first
             tensors = [(name, t.clone()) for name, t in tensors]

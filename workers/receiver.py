@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from zmq_rollout import protocol as p
 from zmq_rollout.weight_sync.collective import CollectiveGroup
-from zmq_rollout.weight_sync.cuda_ipc import CudaIpcCache
+from zmq_rollout.weight_sync.cuda_ipc import BucketLayouts, CudaIpcCache
 from zmq_rollout.weight_sync.shm import attach_shm
 
 from .bucket_loader import BucketLoader, PlainLoader
@@ -53,6 +53,8 @@ class Receiver:
         """gloo to an accelerator: the host buffer a broadcast lands in first."""
         self.group: CollectiveGroup | None = None
         self.ipc = CudaIpcCache()
+        self.layouts = BucketLayouts()
+        """``load_ipc2``'s bucket layouts by the trainer's name, sent once."""
         self.num_loaded = 0
         self.round_ms: dict[str, float] = {}
         """This round's milliseconds in the engine, by phase (logged when it finishes)."""
@@ -159,7 +161,9 @@ class Receiver:
 
     def load_ipc(self, op: p.LoadIpc, control: p.Control) -> int:
         """Load from the trainer's GPU buffer, mapped once and kept; returns once the reads are
-        done, so the trainer may reuse the buffer."""
+        done, so the trainer may reuse the buffer. A layout sent by name only and not held
+        fails here, before anything else (``UnknownLayout``)."""
+        bucket = self.layouts.resolve(op)
         if op.begin:
             self.begin_update(p.BeginUpdate(op.direct), control)
         started = time.perf_counter()
@@ -170,7 +174,7 @@ class Receiver:
         buffer = self.ipc.get(op.handle)
         self.ipc.wait_ready(op.handle, self.device)  # the trainer may still be packing it
         self._add_ms("map", started)
-        loaded = self.load_buffer(op.bucket, buffer[: op.bucket.nbytes], op.handle.buffer_id)
+        loaded = self.load_buffer(bucket, buffer[: bucket.nbytes], op.handle.buffer_id, op.layout)
         started = time.perf_counter()
         _synchronize(self.device)  # the loads are done before finish_update's own work
         self._add_ms("copy_wait", started)
@@ -263,7 +267,9 @@ class Receiver:
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.buffer[:nbytes]
 
-    def load_buffer(self, bucket: p.Bucket, buffer: torch.Tensor, buffer_key: str | None = None) -> int:
+    def load_buffer(
+        self, bucket: p.Bucket, buffer: torch.Tensor, buffer_key: str | None = None, layout: str = ""
+    ) -> int:
         """Hand ``bucket`` (its bytes in ``buffer``) to the round's loader; returns tensors loaded."""
         import torch
 
@@ -271,7 +277,7 @@ class Receiver:
             raise RuntimeError("weight sync: a bucket arrived before begin_update")
         started = time.perf_counter()
         with torch.no_grad():
-            self.loader.load(bucket, buffer, buffer_key)
+            self.loader.load(bucket, buffer, buffer_key, layout)
         self._add_ms("load", started)
         self.num_loaded += len(bucket.tensors)
         return len(bucket.tensors)

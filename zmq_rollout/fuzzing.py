@@ -180,13 +180,13 @@ def _bucket() -> p.Bucket:
 
 def sync_ops() -> list[p.AnySyncOp]:
     """One example of every step of a weight-sync round."""
-    handle = p.CudaIpcHandle("buf-1", "GPU-fuzz", 512, b"\x01" * 64, 512, 0, b"/torch_1", 0, b"", False)
+    handle = p.CudaIpcHandle("buf-1", "GPU-fuzz", 512, b"\x01" * 64, 512, 0, b"/torch_1", 0, b"\x02" * 64, False)
     return [
         p.Begin("abort"),
         p.CheckNames(["a", "b"]),
         p.BeginUpdate(),
         p.LoadShm("zr-fuzz-0", _bucket(), begin=True, finish=True),
-        p.LoadIpc(handle, _bucket(), ["buf-1"], True, True, False),
+        p.LoadIpc(handle, _bucket(), "layout-1", ["buf-1"], True, True, False),
         p.JoinGroup("127.0.0.1", 29500, "gloo", 5.0, "zr-fuzz"),
         p.ReceiveBucket(_bucket()),
         p.LeaveGroup(),

@@ -13,7 +13,7 @@ from zmq_rollout import protocol as p
 from zmq_rollout.errors import ProtocolError
 
 BUCKET = p.Bucket(0, 264, [p.TensorMeta("a", "bfloat16", [2, 2], 0, 8), p.TensorMeta("b", "float32", [2], 256, 8)])
-HANDLE = p.CudaIpcHandle("buf-1", "GPU-1234", 1024, b"\x01" * 64, 1024, 0, b"\x02" * 64, 0, b"", False)
+HANDLE = p.CudaIpcHandle("buf-1", "GPU-1234", 1024, b"\x01" * 64, 1024, 0, b"\x02" * 64, 0, b"\x03" * 64, False)
 
 #: One instance of every step, with every field set to something other than its default.
 EXAMPLES: dict[type[p.SyncOp], p.SyncOp] = {
@@ -21,7 +21,7 @@ EXAMPLES: dict[type[p.SyncOp], p.SyncOp] = {
     p.CheckNames: p.CheckNames(["a", "b"]),
     p.BeginUpdate: p.BeginUpdate(direct=False),
     p.LoadShm: p.LoadShm("zr-1-0", BUCKET, begin=True, finish=True, direct=False),
-    p.LoadIpc: p.LoadIpc(HANDLE, BUCKET, ["buf-1", "buf-2"], begin=True, finish=False, direct=True),
+    p.LoadIpc: p.LoadIpc(HANDLE, BUCKET, "layout-1", ["buf-1", "buf-2"], begin=True, finish=False, direct=True),
     p.JoinGroup: p.JoinGroup("10.0.0.1", 29500, "nccl", 30.0, "zr-group"),
     p.ReceiveBucket: p.ReceiveBucket(BUCKET),
     p.LeaveGroup: p.LeaveGroup(),
@@ -84,7 +84,50 @@ def test_bad_steps_fail_decoding_with_a_clear_message(raw_op: list[Any], message
 def test_a_bucket_must_fit_its_cuda_ipc_buffer() -> None:
     small = msgspec.structs.replace(HANDLE, nbytes=100)
     with pytest.raises(ValueError, match="does not fit CUDA IPC buffer buf-1"):
-        p.LoadIpc(small, BUCKET)
+        p.LoadIpc(small, BUCKET, "layout-1")
+
+
+class OldLoadIpc(msgspec.Struct, tag="load_ipc", array_like=True, omit_defaults=True):
+    """``load_ipc`` as workers before the ready event decoded it: they map the buffer and read
+    it at once, never waiting for ``handle.event_handle``."""
+
+    handle: p.CudaIpcHandle
+    bucket: p.Bucket
+    live: list[str] = []
+    begin: bool = False
+    finish: bool = False
+    direct: bool = True
+
+
+class OldControl(msgspec.Struct, array_like=True, omit_defaults=True):
+    round_id: int
+    op: p.Begin | p.Commit | OldLoadIpc | p.Abort
+    rank_offset: int = 0
+    world_size: int = 0
+
+
+def test_a_worker_that_would_not_wait_for_the_ready_event_refuses_the_load_instead() -> None:
+    """The trainer's load step needs its buffer's ready event waited for; a worker of an
+    older release would read a half-packed buffer, silently. It must fail to decode the step
+    (and answer the round with a refusal) instead."""
+    from zmq_rollout.workers.control import refusal
+
+    header = codec.encode_body(p.Control(3, EXAMPLES[p.LoadIpc], 1, 2))
+    with pytest.raises(msgspec.ValidationError, match="load_ipc2"):
+        msgspec.msgpack.decode(header, type=OldControl)
+    ack = refusal(header, "unknown step", 5)
+    assert ack is not None and not ack.ok and ack.op == "load_ipc2"
+
+
+def test_a_cuda_ipc_load_needs_the_ready_event_and_a_layout_name() -> None:
+    for handle in (
+        msgspec.structs.replace(HANDLE, event_handle=b""),
+        msgspec.structs.replace(HANDLE, event_sync_required=True),
+    ):
+        with pytest.raises(ValueError, match="without its ready event"):
+            p.LoadIpc(handle, BUCKET, "layout-1")
+    with pytest.raises(ValueError, match="bucket layout"):
+        p.LoadIpc(HANDLE, BUCKET, "")
 
 
 def test_step_timeout_is_checked() -> None:

@@ -251,3 +251,56 @@ def test_update_lora_refuses_a_config_without_a_rank() -> None:
     with pytest.raises(InvalidRequestError, match="peft_config must be a PEFT LoRA config"):
         run(update_lora(fleet, {"a": torch.zeros(2)}, {"target_modules": ["q_proj"]}))
     assert fleet.steps == []
+
+
+class LayoutFleet(FakeFleet):
+    """Workers that hold the ``load_ipc2`` layouts sent to them in full, and refuse a name
+    they were never sent, as ``workers/control.py`` does."""
+
+    def __init__(self, workers: tuple[str, ...] = ("w1", "w2")) -> None:
+        super().__init__(workers)
+        self.held: dict[str, set[str]] = {w: set() for w in workers}
+
+    async def sync_step(self, step: p.SyncStep) -> p.SyncReply:
+        op = step.op
+        if not isinstance(op, p.LoadIpc):
+            return await super().sync_step(step)
+        self.steps.append(step)
+        acks = []
+        for w in self.workers:
+            held = self.held.setdefault(w, set())
+            if op.bucket.tensors:
+                held.add(op.layout)
+            ok = op.layout in held
+            why = "" if ok else f"UnknownLayout: {p.UNKNOWN_LAYOUT} {op.layout!r}: never sent to this worker"
+            acks.append(p.WorkerAck(w, ok, 1 if ok else None, why))
+        return p.SyncReply(7, op.kind, acks, [], self.fleet_version)
+
+
+def test_cuda_ipc_sends_a_layout_once_then_by_name_and_again_to_a_worker_without_it() -> None:
+    from types import SimpleNamespace
+
+    from zmq_rollout.weight_sync.cuda_ipc import CudaIpcTransport
+
+    handle = p.CudaIpcHandle("b1", "GPU-x", 1 << 20, b"h", 1 << 20, 0, b"r", 0, b"ready-event", False)
+    transport = CudaIpcTransport()
+    transport.buffers = SimpleNamespace(handles=[handle], pack=lambda *a: None)  # type: ignore[assignment]
+    shipment = Shipment.plan(tensors(), 1 << 20)
+    fleet = LayoutFleet()
+
+    def sent(members: list[str]) -> list[bool]:
+        """One round's load steps: True for a layout sent in full."""
+        rnd = SyncRound(fleet, 5.0)
+        rnd.members = members
+        fleet.workers = members
+        before = len(fleet.steps)
+        run(transport.send(rnd, shipment))
+        return [bool(s.op.bucket.tensors) for s in fleet.steps[before:]]
+
+    assert sent(["w1", "w2"]) == [True]
+    assert sent(["w1", "w2"]) == [False]
+    assert all(s.op.layout == fleet.steps[0].op.layout for s in fleet.steps)
+    assert sent(["w1", "w2", "w3"]) == [True], "a new member gets it in full"
+    fleet.held["w2"].clear()  # say, its engine restarted under the same name
+    assert sent(["w1", "w2", "w3"]) == [False, True], "refused by name, sent again in full"
+    assert sent(["w1", "w2", "w3"]) == [False]

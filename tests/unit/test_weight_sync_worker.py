@@ -14,6 +14,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
+import pytest
+
 from zmq_rollout import protocol as p
 from zmq_rollout.workers.control import SyncParticipant
 from zmq_rollout.workers.engine import Engine
@@ -189,3 +192,52 @@ def test_only_a_trainer_ready_event_is_waited_for_per_load() -> None:
     no_event = p.CudaIpcHandle("b2", "GPU-x", 8, b"h", 8, 0, b"r", 0, b"", False)
     assert cache.ready_event(torch_export) is None and cache.ready_event(no_event) is None
     assert len(cache) == 0, "nothing was mapped to answer that"
+
+
+IPC_HANDLE = p.CudaIpcHandle("b1", "GPU-x", 64, b"h", 64, 0, b"r", 0, b"ready-event", False)
+
+
+def ipc_load(layout: str, *, full: bool) -> p.LoadIpc:
+    b = bucket()
+    sent = b if full else p.Bucket(b.index, b.nbytes, [])
+    return p.LoadIpc(IPC_HANDLE, sent, layout, ["b1"], begin=True, finish=True)
+
+
+def test_a_layout_sent_by_name_alone_is_refused_untouched_until_it_was_sent_in_full() -> None:
+    """A ``load_ipc2`` naming a layout this worker was never sent fails at once: no call into
+    the engine, weights not dirty (the trainer sends it again in full); once sent in full,
+    the name alone reaches the engine."""
+
+    async def main() -> None:
+        llm = RecordingLLM()
+        llm.pause_answered.set()
+        worker = Worker(llm)
+        assert (await worker.step(p.Begin("wait"))).ok
+        ack = await worker.step(ipc_load("layout-a", full=False))
+        assert not ack.ok and ack.message.startswith(f"UnknownLayout: {p.UNKNOWN_LAYOUT} 'layout-a'")
+        assert llm.calls == ["pause_scheduler:wait"] and not worker.sync.dirty
+        assert (await worker.step(ipc_load("layout-a", full=True))).ok
+        assert (await worker.step(p.Commit(1))).ok
+        calls = len(llm.calls)
+        assert (await worker.step(p.Begin("wait"))).ok
+        assert (await worker.step(ipc_load("layout-a", full=False))).ok
+        assert llm.calls[calls:].count("zr_sync") == 1
+        assert not (await worker.step(ipc_load("layout-b", full=False))).ok
+
+    asyncio.run(main())
+
+
+def test_the_engine_resolves_a_layout_by_name_and_keeps_a_bounded_number() -> None:
+    from zmq_rollout.weight_sync.cuda_ipc import MAX_LAYOUTS, BucketLayouts, UnknownLayout
+
+    layouts = BucketLayouts()
+    with pytest.raises(UnknownLayout, match=p.UNKNOWN_LAYOUT):
+        layouts.resolve(ipc_load("l0", full=False))
+    assert layouts.resolve(ipc_load("l0", full=True)) == bucket()
+    assert layouts.resolve(ipc_load("l0", full=False)) == bucket()
+    wrong = msgspec.structs.replace(ipc_load("l0", full=False), bucket=p.Bucket(3, 8, []))
+    with pytest.raises(ValueError, match="is bucket 0 of 8 bytes, not 3"):
+        layouts.resolve(wrong)
+    for i in range(1, MAX_LAYOUTS + 1):
+        layouts.resolve(ipc_load(f"l{i}", full=True))
+    assert "l0" not in layouts and f"l{MAX_LAYOUTS}" in layouts

@@ -21,6 +21,9 @@ from .base import MAX_LORA_NAME, MAX_VERSION, Struct, check_finite, check_int, c
 PAUSE_MODES = ("abort", "wait", "keep")
 BACKENDS = ("gloo", "nccl")
 MAX_TENSORS = 1 << 20
+MAX_LAYOUT_NAME = 64
+UNKNOWN_LAYOUT = "unknown bucket layout"
+"""What a worker's failed ``load_ipc2`` says when it does not hold the step's layout."""
 
 #: Bytes per element of the dtypes a bucket may carry (torch names, no ``torch.`` prefix).
 DTYPE_SIZES: dict[str, int] = {
@@ -120,7 +123,8 @@ class CudaIpcHandle(Struct):
     """torch's cross-process reference counter (a shared-memory file handle)."""
     ref_counter_offset: int
     event_handle: bytes
-    """May be empty."""
+    """The buffer's interprocess CUDA event: ``load_ipc2`` needs the trainer's ready event here
+    (``event_sync_required`` false), recorded after each pack."""
     event_sync_required: bool
 
 
@@ -193,15 +197,24 @@ class LoadShm(SyncOp, tag="load_shm"):
     direct: bool = True
 
 
-class LoadIpc(SyncOp, tag="load_ipc"):
+class LoadIpc(SyncOp, tag="load_ipc2"):
     """Maps the trainer's GPU buffer ``handle`` unless its ``buffer_id`` is mapped already
-    (mappings are kept across rounds), unmaps every buffer whose id is not in ``live``, loads
-    ``bucket`` from the buffer's first ``bucket.nbytes`` bytes, and answers once its reads
-    are done. ``begin``, ``finish``, ``direct`` as for ``load_shm``."""
+    (mappings are kept across rounds), unmaps every buffer whose id is not in ``live``, makes
+    its reads wait (on the GPU) for the buffer's ready event ``handle.event_handle``, which the
+    trainer records after each pack, loads the bucket from the buffer's first ``bucket.nbytes``
+    bytes, and answers once its reads are done. ``layout`` names the bucket's tensor layout:
+    ``bucket.tensors`` empty means the tensors of the bucket sent earlier under that name (the
+    trainer sends a layout once; a worker that does not hold it fails the step with
+    "unknown bucket layout" and no weight moved, and the trainer sends it again). ``begin``,
+    ``finish``, ``direct`` as for ``load_shm``.
+
+    Named ``load_ipc2`` because ``load_ipc`` (releases before the ready event) read the buffer
+    without waiting: such a worker refuses this step rather than read a half-packed buffer."""
 
     RESULT: ClassVar[str] = "int: tensors loaded, summed over its ranks"
     handle: CudaIpcHandle
     bucket: Bucket
+    layout: str
     live: list[str] = []
     begin: bool = False
     finish: bool = False
@@ -213,6 +226,9 @@ class LoadIpc(SyncOp, tag="load_ipc"):
                 f"bucket {self.bucket.index} ({self.bucket.nbytes} bytes) does not fit CUDA IPC buffer "
                 f"{self.handle.buffer_id} ({self.handle.nbytes} bytes)"
             )
+        if not self.handle.event_handle or self.handle.event_sync_required:
+            raise ValueError(f"CUDA IPC buffer {self.handle.buffer_id} comes without its ready event")
+        check_name("a bucket layout", self.layout, MAX_LAYOUT_NAME)
 
 
 class JoinGroup(SyncOp, tag="join_group"):

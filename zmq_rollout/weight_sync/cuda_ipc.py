@@ -11,12 +11,13 @@ msgpack): no pickle. torch is imported inside functions.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from zmq_rollout import protocol as p
-from zmq_rollout.errors import InvalidRequestError
+from zmq_rollout.errors import InvalidRequestError, SyncError
 from zmq_rollout.protocol import CudaIpcHandle
 
 from .buckets import Bucket, copy_split, pack, split_copies
@@ -27,11 +28,25 @@ if TYPE_CHECKING:
 
     from .round import SyncRound
 
-__all__ = ["CudaIpcBuffers", "CudaIpcCache", "CudaIpcTransport", "cuda_device_uuid", "open_cuda_ipc"]
+__all__ = [
+    "BucketLayouts",
+    "CudaIpcBuffers",
+    "CudaIpcCache",
+    "CudaIpcTransport",
+    "LayoutNames",
+    "UnknownLayout",
+    "cuda_device_uuid",
+    "open_cuda_ipc",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_LAYOUTS = 64
+"""Bucket layouts a worker holds (and a trainer names) at once; the oldest go first."""
 
 
 class CudaIpcTransport(WeightTransport):
-    """``load_ipc`` steps over two exported GPU buffers (one for a one-bucket shipment) kept
+    """``load_ipc2`` steps over two exported GPU buffers (one for a one-bucket shipment) kept
     across rounds (reallocated only when a bucket outgrows them, or a second one is needed;
     workers unmap the old ones when a step no longer names them)."""
 
@@ -40,6 +55,7 @@ class CudaIpcTransport(WeightTransport):
     def __init__(self) -> None:
         super().__init__()
         self.buffers: CudaIpcBuffers | None = None
+        self.layouts = LayoutNames()
 
     def prepare(self, shipment: Shipment) -> None:
         import torch
@@ -66,15 +82,97 @@ class CudaIpcTransport(WeightTransport):
         live = [h.buffer_id for h in ipc.handles]
         buckets = shipment.buckets
         for i, bucket in enumerate(buckets):
-            load = asyncio.ensure_future(rnd.step(p.LoadIpc(ipc.handles[i % 2], bucket, live, **shipment.edges(i))))
+            load = asyncio.ensure_future(self._load(rnd, ipc.handles[i % 2], bucket, live, shipment.edges(i)))
             if i + 1 < len(buckets):  # pack the next bucket while the workers load this one
                 ipc.pack((i + 1) % 2, buckets[i + 1], shipment.tensors)
             await load
+
+    async def _load(
+        self, rnd: SyncRound, handle: CudaIpcHandle, bucket: Bucket, live: list[str], edges: dict[str, bool]
+    ) -> None:
+        """One ``load_ipc2``: the layout by name alone where every member holds it (no
+        tensor list to encode, relay, decode and check on each hop), else in full; a member
+        that lost it fails the step with ``UnknownLayout`` before any weight moved, and the
+        step goes again in full."""
+        name = self.layouts.name(bucket)
+        if self.layouts.held_by(name, rnd.members):
+            try:
+                await rnd.step(p.LoadIpc(handle, p.Bucket(bucket.index, bucket.nbytes, []), name, live, **edges))
+                return
+            except SyncError as exc:
+                if p.UNKNOWN_LAYOUT not in str(exc):
+                    raise
+                log.info("weight sync: a worker lost bucket layout %s; sending it again", name)
+        await rnd.step(p.LoadIpc(handle, bucket, name, live, **edges))
+        self.layouts.sent(name, rnd.members)
 
     def close(self) -> None:
         if self.buffers is not None:
             self.buffers.close()  # workers unmap it when the next load names only the new buffers
             self.buffers = None
+
+
+class LayoutNames:
+    """The trainer's names for bucket layouts, and which workers hold each.
+
+    ``plan_buckets_cached`` hands out the same ``Bucket`` for the same layout, so a layout is
+    known by its object (held here, so that its ``id`` is not reused) and named once; a
+    layout planned again gets a new name and is sent once more, which is only slower."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, tuple[Bucket, str]] = {}
+        self._holders: dict[str, set[str]] = {}
+
+    def name(self, bucket: Bucket) -> str:
+        known = self._names.get(id(bucket))
+        if known is None:
+            if len(self._names) >= MAX_LAYOUTS:  # workers keep as many: name the oldest no more
+                _, old = self._names.pop(next(iter(self._names)))
+                self._holders.pop(old, None)
+            known = self._names[id(bucket)] = (bucket, uuid.uuid4().hex[:16])
+        return known[1]
+
+    def held_by(self, name: str, members: Iterable[str]) -> bool:
+        """Whether every one of ``members`` was sent layout ``name`` (and answered)."""
+        holders = self._holders.get(name)
+        return holders is not None and holders.issuperset(members)
+
+    def sent(self, name: str, members: Iterable[str]) -> None:
+        """``members`` loaded a step that carried layout ``name`` in full (a worker identity
+        is new after each reconnect, so the set never outgrows the fleet by much)."""
+        self._holders[name] = set(members)
+
+
+class UnknownLayout(ValueError):
+    """A ``load_ipc2`` names a layout this worker does not hold (restarted, or evicted it)."""
+
+
+class BucketLayouts:
+    """A worker's bucket layouts by the trainer's name (``load_ipc2``'s ``layout``), the last
+    ``MAX_LAYOUTS``."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[str, Bucket] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._layouts
+
+    def resolve(self, op: p.LoadIpc) -> Bucket:
+        """The step's bucket in full: kept if it came in full, else the one kept under its name."""
+        if op.bucket.tensors:
+            if op.layout not in self._layouts and len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[op.layout] = op.bucket
+            return op.bucket
+        bucket = self._layouts.get(op.layout)
+        if bucket is None:
+            raise UnknownLayout(f"{p.UNKNOWN_LAYOUT} {op.layout!r}: never sent to this worker")
+        if bucket.index != op.bucket.index or bucket.nbytes != op.bucket.nbytes:
+            raise ValueError(
+                f"bucket layout {op.layout!r} is bucket {bucket.index} of {bucket.nbytes} bytes, "
+                f"not {op.bucket.index} of {op.bucket.nbytes}"
+            )
+        return bucket
 
 
 def cuda_device_uuid(index: int) -> str:

@@ -1,7 +1,7 @@
 """The trainer's half of a data plane: ``WeightTransport``, one subclass per way to move bytes.
 
 A transport moves the bytes of every bucket of a ``Shipment`` to the members of a round and
-has them load it, through the round's steps (``load_shm``, ``load_ipc``, or ``join_group``
+has them load it, through the round's steps (``load_shm``, ``load_ipc2``, or ``join_group``
 + ``receive_bucket``). The client keeps one transport across rounds, so buffers it
 allocates (shared memory, exported GPU memory) are made once and reused.
 
