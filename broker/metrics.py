@@ -83,6 +83,11 @@ class SchedulerCollector:
         for (port, reason), count in list(stats.auth_failures.items()):
             auth.add_metric([port, reason], count)
         yield auth
+        yield CounterMetricFamily(
+            "zmq_rollout_broker_busy_poll_seconds",
+            "Seconds the broker polled without sleeping after busy passes (busy_poll_us): its CPU cost of latency.",
+            value=stats.busy_poll_s,
+        )
         yield _histogram("zmq_rollout_job_latency_seconds", "Submit to final result, per job.", stats.job_latency)
         yield _histogram("zmq_rollout_queue_wait_seconds", "Submit to dispatch, per job attempt.", stats.queue_wait)
         depth = GaugeMetricFamily("zmq_rollout_queue_depth", "Queued jobs per client.", labels=["client"])

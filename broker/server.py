@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -32,12 +33,17 @@ from zmq_rollout.curve import (
 )
 from zmq_rollout.errors import ConfigError, ProtocolError
 
+from .busy_poll import BusyPoll, IdleCores
 from .outbox import CLIENT, WORKER
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 _READ_BATCH = 256  # messages per socket per pass, so that neither side starves the other
+BUSY_POLL_US = 250
+"""``BrokerConfig.busy_poll_us`` of a broker in its own process: on these VMs a sleeping broker
+takes about 100 us longer to handle a message than a running one (its wake-up, and a CPU
+whose caches went cold), and a one-job round trip needs two of them."""
 # Plain ints: pyzmq's flag enums cost a conversion per call, and recv_multipart/send_multipart
 # an option lookup and checks per frame (half the broker's time per message, unbatched).
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -198,13 +204,18 @@ class Broker:
             poller.register(monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
+        max_spin = self.busy_poll_s()
+        spin = BusyPoll(max_spin) if max_spin > 0 else None
+        idle = IdleCores()
+        busy = False
         try:
             while not self._stop.is_set():
                 held = self.scheduler.wake_at()  # a turn held for its session's worker stops waiting
                 wake = next_tick if held is None else min(next_tick, held)
                 timeout_ms = max(0.0, min(wake - time.monotonic(), 0.1)) * 1000
                 before = time.monotonic()
-                ready = dict(poller.poll(int(timeout_ms)))
+                ready = self._poll(poller, timeout_ms, spin if busy else None)
+                busy = bool(ready)
                 now = time.monotonic()
                 stalled = now - before - timeout_ms / 1000
                 if stalled > interval + 1:  # this thread got no CPU: peers were not silent
@@ -220,6 +231,8 @@ class Broker:
                 if now >= next_tick:
                     self.scheduler.tick(now)
                     next_tick = now + interval
+                    if spin is not None:
+                        spin.spare(idle.sample(now, self.scheduler.stats.busy_poll_s))
                 self.scheduler.wake(now)
                 self._flush(now)
         finally:
@@ -227,6 +240,39 @@ class Broker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def busy_poll_s(self) -> float:
+        """Seconds to poll without sleeping after a busy pass (``BrokerConfig.busy_poll_us``; by
+        default ``BUSY_POLL_US`` on the main thread, which a broker's own process runs it on,
+        and 0 on any other, whose process's threads would wait for the GIL meanwhile)."""
+        spin = self.config.busy_poll_us
+        if spin is None:
+            spin = BUSY_POLL_US if threading.current_thread() is threading.main_thread() else 0
+        return spin / 1e6
+
+    def _poll(self, poller: zmq.Poller, timeout_ms: float, spin: BusyPoll | None) -> dict[Any, int]:
+        """What is ready to read within ``timeout_ms``; after a busy pass (``spin``), polled
+        without sleeping for the learnt window first (its time counted in ``stats.busy_poll_s``)."""
+        if spin is None:
+            return dict(poller.poll(int(timeout_ms)))
+        start = time.monotonic()
+        window = min(spin.window_s(), timeout_ms / 1000)
+        if window > 0:
+            end = start + window
+            while True:
+                ready = poller.poll(0)
+                t = time.monotonic()
+                if ready or t >= end:
+                    break
+                os.sched_yield()  # a process waiting for this CPU (on a small machine) runs first
+            self.scheduler.stats.busy_poll_s += t - start
+            if ready:
+                spin.hit()
+                return dict(ready)
+            timeout_ms -= (t - start) * 1000
+        ready = poller.poll(max(0, int(timeout_ms)))
+        spin.slept(time.monotonic() - start)
+        return dict(ready)
 
     def _close(self) -> None:
         self._release()

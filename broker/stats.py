@@ -149,6 +149,8 @@ class BrokerStats:
     late_replies: int = 0
     unknown_worker_messages: int = 0
     workers_expired: int = 0
+    busy_poll_s: float = 0.0
+    """CPU seconds the socket loop spent polling without sleeping (``BrokerConfig.busy_poll_us``)."""
     malformed: dict[str, int] = field(default_factory=dict)  # by reason
     auth_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # by (port, reason), with CurveZMQ
     job_latency: Histogram = field(default_factory=Histogram)
