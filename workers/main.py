@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -53,6 +54,13 @@ async def _serve(config: WorkerConfig) -> int:
         log.error("%s", exc)
         return EXIT_ENGINE_START
     await warm_up(engine)
+    # What start-up made (vLLM, torch, the model's Python objects) lives as long as the
+    # process: frozen, the collector no longer walks it each time the objects a batch
+    # makes (vLLM's outputs and logprobs, per request and token) set off a full collection
+    # in the loop that also runs vLLM's output processing. vLLM's own server does the same
+    # after its warm-up (vllm.utils.gc_utils.freeze_gc_heap).
+    gc.collect()
+    gc.freeze()
     log.info(
         "engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
         time.monotonic() - started,
