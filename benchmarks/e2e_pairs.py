@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import os
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -66,6 +69,48 @@ class Cpu:
         return {k: round(after[k] - before.get(k, 0.0), 3) for k in after}
 
 
+def physical_cores() -> list[list[int]]:
+    """Logical CPUs grouped by physical core (SMT siblings together), among those we may use."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in allowed:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            key = (Path(f"{base}/physical_package_id").read_text().strip(), Path(f"{base}/core_id").read_text().strip())
+        except OSError:
+            key = ("?", str(cpu))
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values())
+
+
+def pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of ``pid`` (threads started later inherit it) onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def pin_all(cpu: Cpu) -> dict[str, list[int]]:
+    """This process, the worker, and each engine core on physical cores of their own (all
+    their SMT siblings, and no other process's), as many each as there are for four."""
+    cores = physical_cores()
+    share = max(1, len(cores) // 4)
+    groups = [sorted(c for core in cores[i * share : (i + 1) * share] for c in core) for i in range(4)]
+    if not all(groups):
+        return {}
+    worker_kids = cpu.worker.children(recursive=True)
+    worker_tree = {cpu.worker.pid, *(c.pid for c in worker_kids)}
+    direct_kids = [c for c in cpu.me.children(recursive=True) if c.pid not in worker_tree]
+    plan = {"this process (client, broker, direct front end)": ([cpu.me.pid], groups[0]),
+            "direct engine core": ([c.pid for c in direct_kids], groups[1]),
+            "worker": ([cpu.worker.pid], groups[2]),
+            "worker engine core": ([c.pid for c in worker_kids], groups[3])}  # fmt: skip
+    for pids, cpus in plan.values():
+        for pid in pids:
+            pin(pid, cpus)
+    return {name: cpus for name, (_, cpus) in plan.items()}
+
+
 async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
     import vllm
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -95,6 +140,8 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
         log(f"pairs: direct AsyncLLM up in {direct_startup:.1f} s (vLLM {vllm.__version__})")
         assert cluster.broker is not None
         cpu = Cpu(cluster.workers["worker-0"].pid, cluster.broker._thread)
+        pinned = pin_all(cpu) if args.pin else {}
+        log(f"pairs: pinned {pinned}" if pinned else "pairs: not pinned")
         work = batches(args)
         async with AsyncRolloutClient(cluster.address, timeout_s=args.batch_timeout,
                                       batch_size=max(512, args.num_prompts)) as client:  # fmt: skip
@@ -119,7 +166,18 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
                 results = await asyncio.wait_for(asyncio.gather(*(h.future for h in handles)), args.batch_timeout)
                 return [list(r.samples[0].token_ids) for r in results]
 
-            sides = {"direct": direct, "service": service}
+            async def direct_frozen(label: str, prompts: Any, seeds: Any, max_tokens: int) -> list[Any]:
+                """``direct`` with this process's heap frozen for the batch, as the worker's is."""
+                gc.collect()
+                gc.freeze()
+                try:
+                    return await direct(label, prompts, seeds, max_tokens)
+                finally:
+                    gc.unfreeze()
+
+            every = {"direct": direct, "service": service, "direct_frozen": direct_frozen}
+            sides = {name: every[name] for name in args.sides.split(",")}
+            assert list(sides)[:2] == ["direct", "service"], "--sides starts with direct,service"
 
             async def measure(side: str, label: str, prompts: Any, seeds: Any, max_tokens: int) -> dict[str, Any]:
                 before = cpu.snapshot()
@@ -138,11 +196,17 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
                 await measure(side, *warm)
             pairs = []
             for k, batch in enumerate(measured):
-                order = ("direct", "service") if k % 2 == 0 else ("service", "direct")
+                names = list(sides)
+                order = tuple(names[k % len(names) :] + names[: k % len(names)])
+                if len(names) == 2 and k % 2:
+                    order = ("service", "direct")
                 rows = {side: await measure(side, *batch) for side in order}
-                same = sum(a == b for a, b in zip(rows["direct"].pop("first_tokens"),
-                                                     rows["service"].pop("first_tokens"), strict=True))  # fmt: skip
+                firsts = {side: row.pop("first_tokens") for side, row in rows.items()}
+                same = sum(a == b for a, b in zip(firsts["direct"], firsts["service"], strict=True))
                 ratio = rows["service"]["tokens_per_s"] / rows["direct"]["tokens_per_s"]
+                if "direct_frozen" in rows:
+                    frozen = rows["direct_frozen"]["tokens_per_s"] / rows["direct"]["tokens_per_s"]
+                    log(f"  pair {k + 1}: direct with its heap frozen / direct {frozen:.2%}")
                 log(f"  pair {k + 1} ({' then '.join(order)}): service/direct {ratio:.2%}; "
                     f"identical sequences {same}/{len(batch[1])}")  # fmt: skip
                 pairs.append({"pair": k + 1, "order": list(order), "ratio": round(ratio, 4),
@@ -152,7 +216,7 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
             llm.shutdown()
         cluster.stop()
     ratios = [pr["ratio"] for pr in pairs]
-    return {"vllm_version": vllm.__version__, "service_startup_s": round(service_startup, 1),
+    return {"vllm_version": vllm.__version__, "service_startup_s": round(service_startup, 1), "pinned": pinned,
             "direct_startup_s": round(direct_startup, 1), "pairs": pairs,
             "ratio_min": min(ratios), "ratio_median": round(statistics.median(ratios), 4),
             "pairs_at_goal": sum(r >= 0.98 for r in ratios)}  # fmt: skip

@@ -311,6 +311,17 @@ def main() -> None:
     ap.add_argument("--phases", default="direct,service",
                     help="direct and service phases in turn, each in its own process; or 'pairs': both alive in "
                          "one process, batches alternating (benchmarks/e2e_pairs.py)")  # fmt: skip
+    ap.add_argument(
+        "--sides",
+        default="direct,service",
+        help="pairs: the sides of each pair, in turn; add direct_frozen for direct with its heap frozen",
+    )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pairs: each hot process on physical cores of its own",
+    )
     ap.add_argument("--phase-timeout", type=float, default=400.0)
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--batch-timeout", type=float, default=300.0)
