@@ -128,6 +128,7 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(args.log_dir, exist_ok=True)
     cluster = LocalCluster(args.model, num_workers=1, worker_overrides=overrides, log_dir=args.log_dir,
                            worker_niceness=0)  # fmt: skip
+    deadline = time.monotonic() + args.phase_timeout - 30  # stop early, cleanly, rather than be killed
     started = time.monotonic()
     cluster.start(wait_s=args.start_timeout)
     service_startup = time.monotonic() - started
@@ -194,8 +195,12 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
             warm, *measured = work
             for side in sides:  # each side warms up once (and again between pairs, never)
                 await measure(side, *warm)
-            pairs = []
+            pairs: list[dict[str, Any]] = []
             for k, batch in enumerate(measured):
+                last = sum(r["wall_s"] for r in pairs[-1].values() if isinstance(r, dict)) if pairs else 0.0
+                if time.monotonic() + 1.5 * last > deadline:
+                    log(f"pairs: stopping after {k} pairs, before the phase's time runs out")
+                    break
                 names = list(sides)
                 order = tuple(names[k % len(names) :] + names[: k % len(names)])
                 if len(names) == 2 and k % 2:
