@@ -3,6 +3,12 @@ the sampling parameters kept raw and checked once per distinct encoding."""
 
 from __future__ import annotations
 
+import functools
+import operator
+import types
+import typing
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -35,8 +41,22 @@ def test_relay_has_jobspecs_fields_in_order_with_the_same_defaults() -> None:
     assert [f.name for f in relay] == [f.name for f in spec]
     for a, b in zip(spec, relay, strict=True):
         if a.name != "sampling":
-            assert (a.type, a.default) == (b.type, b.default), a.name
+            assert (a.type, a.default) == (unconstrained(b.type), b.default), a.name
     assert msgspec.msgpack.decode(relay[1].default, type=p.SamplingParams) == p.SamplingParams()
+
+
+def unconstrained(t: Any) -> Any:
+    """``t`` without msgspec's constraints (``Annotated[X, Meta(...)]`` is X; a Literal of strings, str)."""
+    origin = typing.get_origin(t)
+    if origin is typing.Annotated:
+        return unconstrained(typing.get_args(t)[0])
+    if origin is typing.Literal:
+        return str
+    if origin in (types.UnionType, typing.Union):
+        return functools.reduce(operator.or_, map(unconstrained, typing.get_args(t)))
+    if origin is list:
+        return list[unconstrained(typing.get_args(t)[0])]  # type: ignore[misc]
+    return t
 
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda j: j.job_id)
@@ -67,17 +87,79 @@ def test_bad_sampling_fails_the_relay_as_it_fails_a_jobspec_every_time(sampling:
             msgspec.msgpack.decode(wire, type=p.JobRelay)
 
 
-def test_the_relays_job_rules_are_jobspecs() -> None:
-    for bad in (
-        ["j", [], None],
-        ["j", [], "hi", None, [1]],
-        ["", [], "hi"],
-        ["j", [], "hi", None, None, False, 0, None, False, None, True],
-    ):
-        wire = msgspec.msgpack.encode(bad)
-        for kind in (p.JobSpec, p.JobRelay):
-            with pytest.raises(msgspec.ValidationError):
-                msgspec.msgpack.decode(wire, type=kind)
+# Every rule of a job's own fields, broken once (fields after sampling: prompt, messages,
+# prompt_token_ids, stream, min_weight_version, lora, resubmitted, session_id, session_end,
+# max_staleness, on_stale, ack), and the same fields at their limits.
+BAD_JOBS = {
+    "no input": ["j", [], None],
+    "two inputs": ["j", [], "hi", None, [1]],
+    "empty job id": ["", [], "hi"],
+    "long job id": ["x" * (p.MAX_JOB_ID + 1), [], "hi"],
+    "job id not a string": [5, [], "hi"],
+    "empty prompt": ["j", [], ""],
+    "long prompt": ["j", [], "x" * (p.MAX_PROMPT_CHARS + 1)],
+    "no messages": ["j", [], None, []],
+    "too many messages": ["j", [], None, [["user", "a"]] * (p.MAX_MESSAGES + 1)],
+    "no token ids": ["j", [], None, None, []],
+    "a negative token id": ["j", [], None, None, [1, -1]],
+    "too many token ids": ["j", [], None, None, [1] * (p.MAX_PROMPT_TOKENS + 1)],
+    "stream not a bool": ["j", [], "hi", None, None, 1],
+    "negative min version": ["j", [], "hi", None, None, False, -1],
+    "min version a bool": ["j", [], "hi", None, None, False, True],
+    "empty lora": ["j", [], "hi", None, None, False, 0, ""],
+    "long lora": ["j", [], "hi", None, None, False, 0, "x" * (p.MAX_LORA_NAME + 1)],
+    "empty session": ["j", [], "hi", None, None, False, 0, None, False, ""],
+    "long session": ["j", [], "hi", None, None, False, 0, None, False, "x" * (p.MAX_JOB_ID + 1)],
+    "end without a session": ["j", [], "hi", None, None, False, 0, None, False, None, True],
+    "session end not a bool": ["j", [], "hi", None, None, False, 0, None, False, "s", 1],
+    "negative staleness": ["j", [], "hi", None, None, False, 0, None, False, None, False, -1],
+    "fractional staleness": ["j", [], "hi", None, None, False, 0, None, False, None, False, 1.5],
+    "unknown on_stale": ["j", [], "hi", None, None, False, 0, None, False, None, False, 1, "retry"],
+    "ack not a bool": ["j", [], "hi", None, None, False, 0, None, False, None, False, None, "abort", 0],
+}
+GOOD_JOBS = {
+    "longest ids": ["x" * p.MAX_JOB_ID, [], "hi", None, None, False, 0, None, False, "s" * p.MAX_JOB_ID, True],
+    "largest numbers": [
+        "j",
+        [],
+        None,
+        None,
+        [0, 1 << 40],
+        True,
+        p.MAX_VERSION,
+        "l" * p.MAX_LORA_NAME,
+        True,
+        None,
+        False,
+        p.MAX_VERSION,
+        "restart",
+        False,
+    ],
+    "most messages": ["j", [], None, [["user", ""]] * p.MAX_MESSAGES],
+}
+
+
+@pytest.mark.parametrize("bad", BAD_JOBS.values(), ids=BAD_JOBS.keys())
+def test_the_relay_refuses_what_a_jobspec_refuses(bad: list[Any]) -> None:
+    wire = msgspec.msgpack.encode(bad)
+    for kind in (p.JobSpec, p.JobRelay):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(wire, type=kind)
+
+
+@pytest.mark.parametrize("good", GOOD_JOBS.values(), ids=GOOD_JOBS.keys())
+def test_the_relay_takes_what_a_jobspec_takes(good: list[Any]) -> None:
+    wire = msgspec.msgpack.encode(good)
+    spec = msgspec.msgpack.decode(wire, type=p.JobSpec)
+    relay = msgspec.msgpack.decode(wire, type=p.JobRelay)
+    out = msgspec.msgpack.encode(p.AssignmentRelay(1, relay))
+    assert msgspec.msgpack.decode(out, type=p.Assignment) == p.Assignment(1, spec)
+
+
+def test_the_relays_errors_name_the_field() -> None:
+    wire = msgspec.msgpack.encode([["j", [], "hi"], ["k", [], "hi", None, None, False, 0, ""]])
+    with pytest.raises(msgspec.ValidationError, match=r"length >= 1 - at `\$\[1\]\[7\]`"):
+        msgspec.msgpack.decode(wire, type=list[p.JobRelay])
 
 
 def test_the_cache_of_checked_samplings_stays_bounded() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -35,7 +36,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STRUCTURED_CHARS = 1 << 16
 MAX_CHOICES = 256
-ON_STALE = ("abort", "restart")
+ON_STALE = ("abort", "restart")  # JobRelay.on_stale's Literal too
 
 
 class StructuredOutput(Struct):
@@ -227,33 +228,48 @@ def sampling_n(raw: msgspec.Raw) -> int:
 _DEFAULT_SAMPLING = msgspec.Raw(msgspec.msgpack.encode(SamplingParams()))
 
 
-class JobRelay(Struct):
-    """The broker's view of a ``JobSpec`` (SUBMIT in, JOBS out): the same fields, checked by
-    the same rules on decode, except that ``sampling`` stays the raw msgpack it came in
-    (checked through ``sampling_n``) and goes to the worker as it came. Same wire shape."""
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]
+_Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
 
-    job_id: str
+
+class JobRelay(Struct):
+    """The broker's view of a ``JobSpec`` (SUBMIT in, JOBS out): the same fields and the same
+    rules, except that ``sampling`` stays the raw msgpack it came in (checked through
+    ``sampling_n``) and goes to the worker as it came. Same wire shape. The rules on one field
+    are msgspec constraints, checked in C while decoding (``JobSpec`` checks them in Python,
+    as they must hold for a job built in Python too: 0.9 of the broker's 1.4 us per job);
+    ``__post_init__`` keeps those across fields. Never built in Python."""
+
+    job_id: _Id
     sampling: msgspec.Raw = _DEFAULT_SAMPLING
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    prompt_token_ids: (
+        Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+        | None
+    ) = None
     stream: bool = False
-    min_weight_version: int = 0
-    lora: str | None = None
+    min_weight_version: _Version = 0
+    lora: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_NAME)] | None = None
     resubmitted: bool = False
-    session_id: str | None = None
+    session_id: _Id | None = None
     session_end: bool = False
-    max_staleness: int | None = None
-    on_stale: str = "abort"
+    max_staleness: _Version | None = None
+    on_stale: Literal["abort", "restart"] = "abort"
     ack: bool = True
 
     def __post_init__(self) -> None:
-        _check_job(self)
-        sampling_n(self.sampling)
+        if (self.prompt is not None) + (self.messages is not None) + (self.prompt_token_ids is not None) != 1:
+            raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+        if self.session_end and self.session_id is None:
+            raise ValueError("session_end must be a bool, and true only with a session_id")
+        if type(_sampling_checked.get(bytes(self.sampling))) is not int:  # new, or bad: check it
+            sampling_n(self.sampling)
 
     def cost(self) -> int:
         """Credits this job occupies on a worker: one per sequence."""
-        return sampling_n(self.sampling)
+        n = _sampling_checked.get(bytes(self.sampling))
+        return n if type(n) is int else sampling_n(self.sampling)
 
 
 def _check_job(job: JobSpec | JobRelay) -> None:
