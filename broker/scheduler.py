@@ -273,14 +273,14 @@ class Scheduler:
         fleet = self.sync.fleet_version
         done = fresh = 0
         finals: dict[ClientId, list[Any]] = {}  # FINAL lists per client, while nothing else goes to one
-        latency = stats.job_latency.observe
+        submitted: dict[float, int] = {}  # jobs done per submission time: one latency each, observed per block
         for result in results:
             running = worker.running.get(result.key)  # type: ignore[arg-type]
             if running is not None and running.spec.max_staleness is not None:
                 finals.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
                 if self._too_stale(worker, running, result, fleet, now):
                     continue
-            job = self._finish(worker, result.key)
+            job = self._finish(worker, result.key, offer=False)
             if job is None:
                 continue
             result.key = job.spec.job_id
@@ -289,7 +289,8 @@ class Scheduler:
                 out = finals[job.client] = self.outbox.items_to(CLIENT, job.client, p.FINAL)
             out.append(result)
             done += 1
-            latency(now - job.submitted_at)
+            at = job.submitted_at
+            submitted[at] = submitted.get(at, 0) + 1
             # Staleness (staleness.py): n samples of the version the job was dispatched at, unless a
             # sync came meanwhile; counted at once for the usual case, samples of the fleet's version.
             version = result.weight_version
@@ -299,8 +300,12 @@ class Scheduler:
                 fresh += job.cost
             else:
                 stats.staleness.observe_many(fleet - version, job.cost)
+        if done:
+            self._offer(worker)  # once for its load after the whole message
         if fresh:
             stats.staleness.observe_many(0, fresh)
+        for at, n in submitted.items():
+            stats.job_latency.observe_many(now - at, n)
         stats.completed += done
         tally = stats.workers.get(worker.info.name)
         if tally is not None:
@@ -366,18 +371,23 @@ class Scheduler:
         if finished is not None and len(finished) < MAX_REMEMBERED:
             finished.add(job_id)
 
-    def _finish(self, worker: WorkerState, ticket: object) -> Job | None:
+    def _finish(self, worker: WorkerState, ticket: object, *, offer: bool = True) -> Job | None:
+        """The job ``worker`` ran under ``ticket`` is over (None: no such job there any more).
+        ``offer=False``: the caller puts the worker back on the dispatch heap (``_offer``)."""
         job = worker.running.pop(ticket, None)  # type: ignore[call-overload]
         if job is None:
             self.stats.late_replies += 1
             return None
         worker.credits_used -= job.cost
-        self._offer(worker)
+        if offer:
+            self._offer(worker)
         client = self.clients.get(job.client)
         if client is not None:
-            client.running.pop(job.spec.job_id, None)
-            if client.finished is not None:
-                self._answered(client, job.spec.job_id)
+            jid = job.spec.job_id
+            client.running.pop(jid, None)
+            finished = client.finished
+            if finished is not None and len(finished) < MAX_REMEMBERED:  # as _answered
+                finished.add(jid)
         return job
 
     def worker_gone(self, identity: WorkerId, reason: str, now: float) -> None:
@@ -489,6 +499,7 @@ class Scheduler:
         waiting = self._waiting
         holds = self.affinity.holds
         jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
+        submitted: dict[float, int] = {}  # jobs dispatched per submission time (one queue wait each)
         while waiting and heap:
             client = waiting.popleft()
             found = self._next(client, heap, now)
@@ -498,9 +509,14 @@ class Scheduler:
                 continue
             job, worker = found
             self._assign(worker, client, job, now, jobs_to)  # its new entry is on the heap
+            at = job.submitted_at
+            submitted[at] = submitted.get(at, 0) + 1
             if client.queue or holds(client.identity):
                 waiting.append(client)
         waiting.extendleft(reversed(blocked))
+        wait = self.stats.queue_wait
+        for at, n in submitted.items():
+            wait.observe_many(now - at, n)
 
     def _next(self, client: ClientState, heap: Heap, now: float) -> tuple[Job, WorkerState] | None:
         """The job ``client`` sends in its turn and its worker: a held turn whose worker has
@@ -562,7 +578,8 @@ class Scheduler:
     def _assign(
         self, worker: WorkerState, client: ClientState, job: Job, now: float, jobs_to: dict[WorkerId, list[Any]]
     ) -> None:
-        """``job`` runs on ``worker``; its assignment joins ``jobs_to`` (this pass's JOBS lists)."""
+        """``job`` runs on ``worker``; its assignment joins ``jobs_to`` (this pass's JOBS lists).
+        Its queue wait is the caller's to observe."""
         ticket = job.ticket = worker.last_pick = next(self._tickets)
         spec = job.spec
         job.attempts += 1
@@ -572,7 +589,6 @@ class Scheduler:
         worker.credits_used += job.cost
         identity = worker.identity
         client.running[spec.job_id] = (identity, ticket)
-        self.stats.queue_wait.observe(now - job.submitted_at)
         out = jobs_to.get(identity)
         if out is None:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)

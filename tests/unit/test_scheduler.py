@@ -502,6 +502,33 @@ def test_final_is_forwarded_with_the_job_id_and_counted() -> None:
     assert s.clients[A].running == {}
 
 
+def test_waits_and_latencies_observed_per_block_are_each_jobs() -> None:
+    """Queue waits and latencies are observed once per block of jobs submitted together: the
+    histograms hold what one observation per job gives (count, sum, buckets)."""
+    s = make()
+    s.submit(A, jobs("a", 3), now=0.0)
+    s.submit(A, [job("late-1"), job("late-2")], now=0.5)
+    s.submit(B, [job("b0")], now=0.25)
+    ready(s, W1, 8, now=1.0)  # all six dispatched in one pass at 1.0
+    sent = assigned(s.outbox.take(), W1)
+    assert len(sent) == 6
+    wait = s.stats.queue_wait
+    assert wait.count == 6
+    assert wait.total == pytest.approx(3 * 1.0 + 2 * 0.5 + 0.75)
+    expected = [0] * len(wait.counts)
+    for value, times in ((1.0, 3), (0.5, 2), (0.75, 1)):
+        expected[sum(b < value for b in wait.buckets)] += times
+    assert wait.counts == expected
+    results = [p.Result(a.ticket, [1], [p.Sample(0, [2], [0.0], "stop")], 0, "w1") for a in sent]
+    s.worker_final(W1, results, now=2.0)
+    latency = s.stats.job_latency
+    assert latency.count == 6
+    assert latency.total == pytest.approx(3 * 2.0 + 2 * 1.5 + 1.75)
+    assert s.workers[W1].credits_used == 0
+    s.submit(A, jobs("again", 8), now=3.0)  # the worker is back on the heap with all its credits
+    assert len(assigned(s.outbox.take(), W1)) == 8
+
+
 # -- status -------------------------------------------------------------------------------
 def test_status_numbers() -> None:
     s = make()
