@@ -132,6 +132,12 @@ class Affinity:
     def holds(self, client: ClientId) -> bool:
         return client in self._num_held
 
+    @property
+    def held_clients(self) -> dict[ClientId, int]:
+        """The clients with a turn held, as a live view (``client in held_clients`` is ``holds``,
+        for the dispatch loop). Read only."""
+        return self._num_held
+
     def hold(self, client: ClientId, job: Job, worker: WorkerId, now: float) -> bool:
         """Hold ``job`` for its full ``worker`` until ``affinity_wait_s`` from now (False: the
         wait is 0, it goes elsewhere at once)."""

@@ -498,20 +498,33 @@ class Scheduler:
         blocked: list[ClientState] = []
         waiting = self._waiting
         holds = self.affinity.holds
+        held = self.affinity.held_clients
+        pick = self._pick
         jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
         submitted: dict[float, int] = {}  # jobs dispatched per submission time (one queue wait each)
         while waiting and heap:
             client = waiting.popleft()
-            found = self._next(client, heap, now)
-            if found is None:
-                if client.queue or holds(client.identity):
-                    blocked.append(client)  # no eligible worker now; keep its place for later
-                continue
-            job, worker = found
+            queue = client.queue
+            head = queue[0] if queue else None
+            if head is None or head.cancelled or head.spec.session_id is not None or client.identity in held:
+                found = self._next(client, heap, now)  # sessions, held turns, cancelled jobs
+                if found is None:
+                    if client.queue or holds(client.identity):
+                        blocked.append(client)  # no eligible worker now; keep its place for later
+                    continue
+                job, worker = found
+            else:  # the usual turn, inline: its head job to the least loaded worker that takes it
+                found_worker = pick(heap, head)
+                if found_worker is None:
+                    blocked.append(client)
+                    continue
+                job, worker = queue.popleft(), found_worker
+                del client.queued[head.spec.job_id]
+                self.num_queued -= 1
             self._assign(worker, client, job, now, jobs_to)  # its new entry is on the heap
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
-            if client.queue or holds(client.identity):
+            if client.queue or client.identity in held:
                 waiting.append(client)
         waiting.extendleft(reversed(blocked))
         wait = self.stats.queue_wait

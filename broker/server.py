@@ -48,6 +48,9 @@ whose caches went cold), and a one-job round trip needs two of them."""
 # an option lookup and checks per frame (half the broker's time per message, unbatched).
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_COPY_BELOW = 1 << 16
+"""Frames shorter than this are sent copied: a zero-copy send of a small frame costs more (pyzmq
+builds a ``Frame`` and copies it anyway below its own ``COPY_THRESHOLD``)."""
 
 
 def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
@@ -65,7 +68,7 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """Send ``frames`` as one message without blocking (raises ``zmq.ZMQError``, e.g. EAGAIN)."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        sock.send(frame, _MORE if i < last else _NOBLOCK, copy=False)
+        sock.send(frame, _MORE if i < last else _NOBLOCK, copy=len(frame) < _COPY_BELOW)
 
 
 _job_decoder = msgspec.msgpack.Decoder(p.JobRelay)
@@ -327,7 +330,7 @@ class Broker:
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
-            handler(frames[0].bytes, [f.buffer for f in frames[1:]], now)
+            handler(frames[0].bytes, frames[1:], now)  # Frames: buffers msgspec decodes in place
 
     def _flush(self, now: float) -> None:
         self.scheduler.flush_dispatch(now)
