@@ -114,3 +114,48 @@ def test_a_failed_job_names_its_cause_and_a_refused_request_is_invalid() -> None
     )
     assert failure(RuntimeError("CUDA error"), plain) == ("job_failed", "RuntimeError: CUDA error")
     assert failure(missing, plain)[0] == "job_failed"  # an import error without structured outputs is ours
+
+
+def test_the_worker_freezes_its_start_up_heap_after_the_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What start-up made is frozen (as vLLM's own server does) once the warm-up is done and
+    before the worker serves, so full collections during a batch do not walk it."""
+    import asyncio
+    import gc
+
+    from zmq_rollout.workers import engine, generation, worker
+
+    seen: list[str] = []
+
+    class FakeEngine:
+        max_model_len, max_num_seqs = 8, 1
+
+        def __init__(self, config: object) -> None:
+            seen.append("engine")
+
+        def shutdown(self) -> None:
+            seen.append("shutdown")
+
+    async def warm_up(e: object) -> None:
+        seen.append(f"warm_up frozen={gc.get_freeze_count()}")
+
+    class FakeWorker:
+        def __init__(self, config: object, e: object) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+        async def run(self) -> int:
+            seen.append(f"run frozen={gc.get_freeze_count() > 0}")
+            return 0
+
+    monkeypatch.setattr(engine, "Engine", FakeEngine)
+    monkeypatch.setattr(generation, "warm_up", warm_up)
+    monkeypatch.setattr(worker, "Worker", FakeWorker)
+    gc.unfreeze()
+    try:
+        config = SimpleNamespace(model="m")
+        assert asyncio.run(worker_main._serve(config)) == 0  # type: ignore[arg-type]
+    finally:
+        gc.unfreeze()
+    assert seen == ["engine", "warm_up frozen=0", "run frozen=True", "shutdown"]
