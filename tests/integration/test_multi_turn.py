@@ -117,7 +117,9 @@ def test_worker_sigkilled_mid_episode_every_episode_finishes_exactly(
     cluster: LocalCluster, tiny_model: str, prompt_log: Path
 ) -> None:
     """A worker dies with turns in flight: the broker requeues them on the other worker and
-    the episodes go on from the same prefix (no turn lost, none doubled)."""
+    the episodes go on from the same prefix (no turn lost, none doubled). Whether the victim
+    finished a turn before it died is timing (when every first turn landed on the other
+    worker, it had not): what is asserted is that turns in flight on it were requeued."""
     start = len(logged(prompt_log))
     sampling = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
     result: dict[str, Any] = {}
@@ -140,13 +142,16 @@ def test_worker_sigkilled_mid_episode_every_episode_finishes_exactly(
             # The victim is the worker with the most turns in flight (where the first turns
             # landed is the scheduler's business, tested in its unit tests; here a worker
             # must die with turns on it).
-            workers = (await client.status()).workers
+            status = await client.status()
+            workers = status.workers
             result["at_kill"] = {w.name: (w.state, w.credits, w.running, w.idle_s) for w in workers}
             busiest = max(sorted(workers, key=lambda w: w.name), key=lambda w: w.running)
             assert busiest.running > 0, result["at_kill"]
             result["victim"] = busiest.name
+            result["survivor"] = next(w.name for w in workers if w.name != busiest.name)
             await asyncio.to_thread(cluster.kill_worker, busiest.name)
             result["got"] = await task
+            result["requeued"] = (await client.status()).totals.requeued - status.totals.requeued
 
     try:
         asyncio.run(main())
@@ -154,8 +159,8 @@ def test_worker_sigkilled_mid_episode_every_episode_finishes_exactly(
         assert [t.finish_reason for t in got] == ["done"] * 8 and all(t.num_turns == 4 for t in got)
         check_exact(got, prompt_log)
         workers = {s.worker_id for t in got for s in t.turns}
-        assert result["victim"] in workers, result  # turns ran on the victim before it died
-        assert len(workers) == 2, result  # and went on on the other one
+        assert result["requeued"] >= 1, result  # the kill caught turns in flight: they ran again
+        assert result["survivor"] in workers, result  # on the other worker
     finally:
         if "victim" in result:
             cluster.start_worker(result["victim"])
