@@ -497,7 +497,6 @@ class Scheduler:
         heap = self._dispatch_heap()
         blocked: list[ClientState] = []
         waiting = self._waiting
-        holds = self.affinity.holds
         held = self.affinity.held_clients
         pick = self._pick
         jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
@@ -509,7 +508,7 @@ class Scheduler:
             if head is None or head.cancelled or head.spec.session_id is not None or client.identity in held:
                 found = self._next(client, heap, now)  # sessions, held turns, cancelled jobs
                 if found is None:
-                    if client.queue or holds(client.identity):
+                    if client.queue or client.identity in held:
                         blocked.append(client)  # no eligible worker now; keep its place for later
                     continue
                 job, worker = found
@@ -518,9 +517,7 @@ class Scheduler:
                 if found_worker is None:
                     blocked.append(client)
                     continue
-                job, worker = queue.popleft(), found_worker
-                del client.queued[head.spec.job_id]
-                self.num_queued -= 1
+                job, worker = self._dequeue(client, queue.popleft()), found_worker
             self._assign(worker, client, job, now, jobs_to)  # its new entry is on the heap
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
