@@ -217,6 +217,7 @@ def messages() -> str:
         p.Bucket,
         p.TensorMeta,
         p.CudaIpcHandle,
+        p.IpcSource,
     )
     return "\n".join(struct_table(cls) for cls in classes)
 

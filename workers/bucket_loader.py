@@ -38,6 +38,17 @@ class BucketLoader(ABC):
         under this name (a CUDA IPC buffer), so plans that refer to it may be kept; ``layout``:
         the trainer's name for the bucket's layout (``load_ipc2``), if it has one."""
 
+    def load_parts(
+        self, parts: list[tuple[Bucket, torch.Tensor]], buffer_keys: tuple[str, ...] = (), layout: str = ""
+    ) -> None:
+        """Load several buckets, each from its own buffer, as one load (``load_ipc_tensors``:
+        a bucket per storage of the trainer's). ``buffer_keys``: every buffer stays mapped
+        under these names, so a plan for all of them may be kept under ``layout``. By
+        default, one ``load`` per part."""
+        key = buffer_keys[0] if len(buffer_keys) == 1 else None
+        for bucket, buffer in parts:
+            self.load(bucket, buffer, key, layout if key else "")
+
     def finish(self) -> None:  # noqa: B027 - optional hook
         """Process what is pending; the model is whole again."""
 

@@ -87,13 +87,15 @@ class SyncParticipant:
         self.round_ms: dict[str, float] = {}
         """This round's milliseconds on this worker, by step and by engine call (logged at commit)."""
         self.layouts = BucketLayouts()
-        """The ``load_ipc2`` layouts its engine was sent in full (the engine keeps the same ones)."""
+        """The ``load_ipc2`` and ``load_ipc_tensors`` layouts its engine was sent in full (the
+        engine keeps the same ones)."""
         self.handlers: dict[type[p.SyncOp], Handler] = {
             p.Begin: self.begin,
             p.CheckNames: self.check_names,
             p.BeginUpdate: self.in_engine,
             p.LoadShm: self.load,
             p.LoadIpc: self.load,
+            p.LoadIpcTensors: self.load,
             p.JoinGroup: self.in_engine,
             p.ReceiveBucket: self.in_engine,
             p.LeaveGroup: self.in_engine,
@@ -169,19 +171,21 @@ class SyncParticipant:
             self.dirty = True
         return total(await self._timed("engine", self.engine.sync_in_engine(control)))
 
-    async def load(self, op: p.LoadShm | p.LoadIpc, control: p.Control) -> p.AckResult:
-        """A bucket; the first may begin the update and the last finish it. A ``load_ipc2``
-        whose layout its engine was never sent fails at once, the weights untouched."""
-        if isinstance(op, p.LoadIpc):
-            if not op.bucket.tensors and op.layout not in self.layouts:
-                raise UnknownLayout(f"{p.UNKNOWN_LAYOUT} {op.layout!r}: never sent to this worker")
-            result = await self._load(op, control)
-            if op.bucket.tensors:
-                self.layouts.resolve(op)  # the engine holds it now
-            return result
-        return await self._load(op, control)
+    async def load(self, op: p.LoadShm | p.LoadIpc | p.LoadIpcTensors, control: p.Control) -> p.AckResult:
+        """A bucket (or, ``load_ipc_tensors``, all the trainer's tensors); the first may begin
+        the update and the last finish it. A ``load_ipc2`` or ``load_ipc_tensors`` whose layout
+        its engine was never sent fails at once, the weights untouched."""
+        if isinstance(op, p.LoadShm):
+            return await self._load(op, control)
+        full = self.layouts.carries_layout(op)
+        if not full and op.layout not in self.layouts:
+            raise UnknownLayout(f"{p.UNKNOWN_LAYOUT} {op.layout!r}: never sent to this worker")
+        result = await self._load(op, control)
+        if full:
+            self.layouts.remember(op)  # the engine holds it now
+        return result
 
-    async def _load(self, op: p.LoadShm | p.LoadIpc, control: p.Control) -> p.AckResult:
+    async def _load(self, op: p.LoadShm | p.LoadIpc | p.LoadIpcTensors, control: p.Control) -> p.AckResult:
         await self._paused()  # before any weight moves: a failed pause leaves them clean
         self.dirty = self.dirty or op.begin
         if not op.finish:

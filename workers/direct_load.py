@@ -166,7 +166,7 @@ class DirectLoader(BucketLoader):
         self.recipes: dict[str, _Recipe | None] = {}  # None: always through load_weights
         self._params: dict[str, torch.Tensor] = {n: p.data for n, p in model.named_parameters()}
         self._by_storage = {p.untyped_storage().data_ptr(): (n, p) for n, p in self._params.items() if p.numel()}
-        self._plans: dict[tuple[str, Any], _Plan] = {}
+        self._plans: dict[tuple[tuple[str, ...], Any], _Plan] = {}
         self._pointers = {n: p.data_ptr() for n, p in self._params.items()}
         # The model's tree as recorded: each submodule in its parent, each parameter object in
         # its module at its address; ``unchanged`` checks it without walking the model again.
@@ -204,24 +204,33 @@ class DirectLoader(BucketLoader):
         mapped under that name until ``forget``), remember the resolved copies and replay a
         bucket laid out the same way from them (``copy_split``): the same ``layout`` name, or
         without one the same names, dtypes, shapes and offsets."""
+        self.load_parts([(bucket, buffer)], (buffer_key,) if buffer_key else (), layout)
+
+    def load_parts(
+        self, parts: list[tuple[Bucket, torch.Tensor]], buffer_keys: tuple[str, ...] = (), layout: str = ""
+    ) -> None:
+        """``load`` for several buckets at once, each from its own buffer: one plan for all of
+        them, kept while every buffer in ``buffer_keys`` stays mapped."""
         sig: Any = None
-        if buffer_key:
-            sig = layout or tuple((m.name, m.dtype, tuple(m.shape), m.offset) for m in bucket.tensors)
-        plan = self._plans.get((buffer_key, sig)) if buffer_key else None
+        if buffer_keys:
+            sig = layout or tuple(
+                (m.name, m.dtype, tuple(m.shape), m.offset) for bucket, _ in parts for m in bucket.tensors
+            )
+        plan = self._plans.get((buffer_keys, sig)) if buffer_keys else None
         if plan is not None:
             copy_split(plan.dsts, plan.srcs, plan.big, plan.small)
             if plan.slow:
                 self.model.load_weights(plan.slow)
             self.num_replayed += len(plan.dsts)
             return
-        tensors = unpack(bucket, buffer)
+        tensors = [t for bucket, buffer in parts for t in unpack(bucket, buffer)]
         self.load_tensors(tensors)
-        if buffer_key and len(self._plans) < 256:
-            self._plans[(buffer_key, sig)] = self._plan(tensors)
+        if buffer_keys and len(self._plans) < 256:
+            self._plans[(buffer_keys, sig)] = self._plan(tensors)
 
     def forget(self, keep_buffer_keys: set[str]) -> None:
-        """Drop the plans of buffers not in ``keep_buffer_keys`` (they are being unmapped)."""
-        for key in [k for k in self._plans if k[0] not in keep_buffer_keys]:
+        """Drop the plans that read a buffer not in ``keep_buffer_keys`` (it is being unmapped)."""
+        for key in [k for k in self._plans if not keep_buffer_keys.issuperset(k[0])]:
             del self._plans[key]
 
     def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> _Plan:

@@ -54,7 +54,7 @@ class Receiver:
         self.group: CollectiveGroup | None = None
         self.ipc = CudaIpcCache()
         self.layouts = BucketLayouts()
-        """``load_ipc2``'s bucket layouts by the trainer's name, sent once."""
+        """``load_ipc2``'s and ``load_ipc_tensors``' layouts by the trainer's name, sent once."""
         self.num_loaded = 0
         self.round_ms: dict[str, float] = {}
         """This round's milliseconds in the engine, by phase (logged when it finishes)."""
@@ -62,6 +62,7 @@ class Receiver:
             p.BeginUpdate: self.begin_update,
             p.LoadShm: self.load_shm,
             p.LoadIpc: self.load_ipc,
+            p.LoadIpcTensors: self.load_ipc_tensors,
             p.JoinGroup: self.join_group,
             p.ReceiveBucket: self.receive_bucket,
             p.LeaveGroup: self.leave_group,
@@ -184,6 +185,34 @@ class Receiver:
             _synchronize(buffer.device)
         return loaded
 
+    def load_ipc_tensors(self, op: p.LoadIpcTensors, control: p.Control) -> int:
+        """Load every tensor straight from the trainer's own storages, each mapped once and
+        kept while the trainer names it; reads wait (on the GPU) for the trainer's ready
+        event; returns once they are done, so the trainer may write its tensors again. A
+        layout sent by name only and not held fails here, before anything else."""
+        sources = self.layouts.sources(op)
+        if op.begin:
+            self.begin_update(p.BeginUpdate(op.direct), control)
+        started = time.perf_counter()
+        ids = tuple(s.handle.buffer_id for s in sources)
+        keep = {*op.live, *ids, op.ready_id}
+        self.ipc.retain(keep)
+        if self.direct is not None:
+            self.direct.forget(keep)
+        parts = [(s.bucket, self.ipc.get(s.handle)[: s.bucket.nbytes]) for s in sources]
+        device = parts[0][1].device if parts else self.device
+        torch_stream_wait(self.ipc.event(op.ready_id, op.ready_event, device), self.device)
+        self._add_ms("map", started)
+        loaded = self.load_parts(parts, ids, op.layout)
+        started = time.perf_counter()
+        _synchronize(self.device)  # the trainer writes its tensors again once we answer
+        self._add_ms("copy_wait", started)
+        if op.finish:
+            self.finish_update(p.FinishUpdate(), control)
+        if device != self.device:
+            _synchronize(device)
+        return loaded
+
     def join_group(self, op: p.JoinGroup, control: p.Control) -> None:
         """Each rank of the engine joins as ``rank_offset`` + its rank within the engine."""
         if self.group is not None:
@@ -271,16 +300,31 @@ class Receiver:
         self, bucket: p.Bucket, buffer: torch.Tensor, buffer_key: str | None = None, layout: str = ""
     ) -> int:
         """Hand ``bucket`` (its bytes in ``buffer``) to the round's loader; returns tensors loaded."""
+        return self.load_parts([(bucket, buffer)], (buffer_key,) if buffer_key else (), layout)
+
+    def load_parts(
+        self, parts: list[tuple[p.Bucket, torch.Tensor]], buffer_keys: tuple[str, ...] = (), layout: str = ""
+    ) -> int:
+        """Hand ``parts`` (each a bucket and the buffer its bytes are in) to the round's loader
+        as one load; returns tensors loaded."""
         import torch
 
         if self.loader is None:
             raise RuntimeError("weight sync: a bucket arrived before begin_update")
         started = time.perf_counter()
         with torch.no_grad():
-            self.loader.load(bucket, buffer, buffer_key, layout)
+            self.loader.load_parts(parts, buffer_keys, layout)
         self._add_ms("load", started)
-        self.num_loaded += len(bucket.tensors)
-        return len(bucket.tensors)
+        loaded = sum(len(bucket.tensors) for bucket, _ in parts)
+        self.num_loaded += loaded
+        return loaded
+
+
+def torch_stream_wait(event: torch.cuda.Event, device: torch.device) -> None:
+    """Make ``device``'s current stream wait (on the GPU) for ``event``."""
+    import torch
+
+    torch.cuda.current_stream(device).wait_event(event)
 
 
 def _synchronize(device: torch.device) -> None:

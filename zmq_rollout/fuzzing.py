@@ -187,6 +187,7 @@ def sync_ops() -> list[p.AnySyncOp]:
         p.BeginUpdate(),
         p.LoadShm("zr-fuzz-0", _bucket(), begin=True, finish=True),
         p.LoadIpc(handle, _bucket(), "layout-1", ["buf-1"], True, True, False),
+        p.LoadIpcTensors("ready-1", b"\x03" * 64, "layout-2", [p.IpcSource(handle, _bucket())], [], True, True),
         p.JoinGroup("127.0.0.1", 29500, "gloo", 5.0, "zr-fuzz"),
         p.ReceiveBucket(_bucket()),
         p.LeaveGroup(),

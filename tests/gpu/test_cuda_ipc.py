@@ -90,3 +90,44 @@ def test_direct_load_equals_layerwise_reload(client: RolloutClient, tiny_model: 
     assert [t for t, _ in direct] == [t for t, _ in layerwise]
     pairs = [(a, b) for (_, la), (_, lb) in zip(direct, layerwise, strict=True) for a, b in zip(la, lb, strict=True)]
     assert max(abs(a - b) for a, b in pairs) < 1e-3
+
+
+def test_cuda_ipc_tensors_reads_the_trainers_own_tensors(client: RolloutClient, tiny_model: str) -> None:
+    """``cuda_ipc_tensors``: the worker copies straight from the trainer's parameters, each
+    storage exported once. After an in-place update the worker still serves what it copied
+    (a copy, not an alias) until the next sync, which exports nothing new; memory stays flat
+    over 100 syncs; a model whose tensors are all new is exported anew and served."""
+    model = trained_model(tiny_model, 14).cuda()
+    report = client.update_weights(model, transport="cuda_ipc_tensors", check_names=True, timeout_s=120)
+    assert report.workers_updated == ["worker-0"] and report.workers_evicted == []
+    assert greedy_equal(client, model) >= len(PROMPTS) - 1
+    transport = client.transport
+    exported = transport.num_exported  # type: ignore[union-attr]
+    assert exported == len(model.state_dict()) - 1  # every tensor but the tied lm_head, a storage each
+
+    with torch.no_grad():  # the optimizer's step: every parameter written in place
+        for mine, theirs in zip(model.parameters(), trained_model(tiny_model, 15).cuda().parameters(), strict=True):
+            mine.copy_(theirs)
+    stale = greedy_equal(client, model)
+    report = client.update_weights(model, transport="cuda_ipc_tensors")
+    fresh = greedy_equal(client, model)
+    print(f"cuda_ipc_tensors: greedy equal {stale}->{fresh}/{len(PROMPTS)} after an in-place update, "
+          f"sync {report.seconds * 1e3:.1f} ms")  # fmt: skip
+    assert stale <= len(PROMPTS) // 2 and fresh >= len(PROMPTS) - 1
+    assert client.transport is transport and transport.num_exported == exported  # type: ignore[union-attr]
+
+    start = gpu_used_mib()
+    for _ in range(100):
+        client.update_weights(model, transport="cuda_ipc_tensors")
+    end = gpu_used_mib()
+    print(f"cuda_ipc_tensors: GPU memory in use {start:.0f} -> {end:.0f} MiB over 100 syncs")
+    assert end - start < 16, f"GPU memory grew by {end - start:.0f} MiB over 100 syncs"
+    assert transport.num_exported == exported  # type: ignore[union-attr]
+
+    other = trained_model(tiny_model, 11).cuda()
+    client.update_weights(other, transport="cuda_ipc_tensors")
+    assert greedy_equal(client, other) >= len(PROMPTS) - 1
+    assert transport.num_exported == 2 * exported  # type: ignore[union-attr]
+    assert set(transport.exports) == {  # type: ignore[union-attr]
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in other.state_dict().values()
+    }

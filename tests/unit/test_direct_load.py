@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
+from zmq_rollout import protocol as p
 from zmq_rollout.workers.direct_load import DirectLoader, parameter_pointers, qualifies
 
 
@@ -177,3 +178,43 @@ def test_a_kept_buffer_replays_a_bucket_with_one_plan() -> None:
     assert len(loader._plans) == 1 and direct.loads == 7 + 2  # "scaled" still via load_weights
     loader.forget({"buffer-2"})
     assert not loader._plans
+
+
+def test_tensors_read_in_place_from_several_buffers_replay_with_one_plan() -> None:
+    """``load_ipc_tensors``: each of the trainer's tensors lies in a storage of its own (two
+    share one here), every storage stays mapped, and the trainer updates them in place. One
+    plan covers every storage; it is dropped as soon as any of them is unmapped."""
+    direct, reference = ToyModel(), ToyModel()
+    loader = DirectLoader(direct)
+    names = [name for name, _ in checkpoint(0)]
+    shared = torch.zeros(8 * 4 + 2 * 4)  # q and k in one storage, as a flat parameter would hold them
+    tensors = dict(checkpoint(0))
+    storages = {"q": shared[:32].view(8, 4), "k": shared[32:].view(2, 4)}
+    storages.update({n: torch.zeros_like(t) for n, t in tensors.items() if n not in storages})
+    parts, keys = [], []
+    by_storage: dict[int, list[str]] = {}
+    for name in names:
+        by_storage.setdefault(storages[name].untyped_storage().data_ptr(), []).append(name)
+    for i, members in enumerate(by_storage.values()):
+        base = storages[members[0]].untyped_storage()
+        metas = [
+            p.TensorMeta(
+                n, "float32", list(storages[n].shape), storages[n].storage_offset() * 4, storages[n].numel() * 4
+            )
+            for n in members
+        ]
+        parts.append((p.Bucket(i, base.nbytes(), metas), torch.empty(0, dtype=torch.uint8).set_(base)))
+        keys.append(f"storage-{i}")
+    assert len(parts) == len(names) - 1
+    for seed in range(3):
+        for name, t in checkpoint(seed):
+            storages[name].copy_(t)  # the optimizer's in-place update
+        loader.load_parts(parts, tuple(keys), "layout-t")
+        reference.load_weights(checkpoint(seed))
+        for name, want in params(reference).items():
+            assert torch.equal(params(direct)[name], want), (seed, name)
+    assert len(loader._plans) == 1 and direct.loads == 7 + 2  # recorded once; "scaled" via load_weights
+    loader.forget(set(keys))
+    assert len(loader._plans) == 1
+    loader.forget(set(keys[1:]))
+    assert not loader._plans, "one of its storages is being unmapped"

@@ -22,6 +22,9 @@ EXAMPLES: dict[type[p.SyncOp], p.SyncOp] = {
     p.BeginUpdate: p.BeginUpdate(direct=False),
     p.LoadShm: p.LoadShm("zr-1-0", BUCKET, begin=True, finish=True, direct=False),
     p.LoadIpc: p.LoadIpc(HANDLE, BUCKET, "layout-1", ["buf-1", "buf-2"], begin=True, finish=False, direct=True),
+    p.LoadIpcTensors: p.LoadIpcTensors(
+        "ready-1", b"\x04" * 64, "layout-2", [p.IpcSource(HANDLE, BUCKET)], ["buf-9"], True, True, False
+    ),
     p.JoinGroup: p.JoinGroup("10.0.0.1", 29500, "nccl", 30.0, "zr-group"),
     p.ReceiveBucket: p.ReceiveBucket(BUCKET),
     p.LeaveGroup: p.LeaveGroup(),
@@ -146,3 +149,23 @@ def test_ack_results_are_typed(result: Any) -> None:
     assert decoded == ack and type(decoded.result) is type(result)
     reply = p.SyncReply(1, "check_names", [p.WorkerAck("w", True, result)])
     assert codec.Decoder(codec.TO_CLIENT).decode(codec.encode(p.SYNC_REPLY, reply)).body == reply
+
+
+def test_a_tensors_load_needs_the_ready_event_names_and_sources_that_fit() -> None:
+    source = p.IpcSource(HANDLE, BUCKET)
+    with pytest.raises(ValueError, match="without the trainer's ready event"):
+        p.LoadIpcTensors("ready-1", b"", "layout-1", [source])
+    with pytest.raises(ValueError, match="ready event id"):
+        p.LoadIpcTensors("", b"\x04" * 64, "layout-1", [source])
+    with pytest.raises(ValueError, match="bucket layout"):
+        p.LoadIpcTensors("ready-1", b"\x04" * 64, "x" * 65, [source])
+    with pytest.raises(ValueError, match="does not fit the trainer's storage buf-1"):
+        p.IpcSource(msgspec.structs.replace(HANDLE, nbytes=100), BUCKET)
+
+
+def test_a_tensors_load_that_does_not_fit_fails_decoding_at_the_broker() -> None:
+    """A source whose tensors end past its storage is bad input: the broker's decoder says so."""
+    raw = msgpack.unpackb(codec.encode_body(p.SyncStep(1, EXAMPLES[p.LoadIpcTensors])))
+    raw[1][4][0][0][2] = 100  # the first source's handle: nbytes 1024 -> 100, smaller than its bucket
+    with pytest.raises(ProtocolError, match="does not fit the trainer's storage"):
+        codec.Decoder(codec.FROM_CLIENT).decode([p.SIGNATURE, p.SYNC, msgpack.packb(raw)])

@@ -226,7 +226,9 @@ def test_the_client_keeps_one_transport_and_replaces_it_when_asked_for_another()
 
 
 def test_unknown_transports_and_options_are_refused() -> None:
-    with pytest.raises(InvalidRequestError, match=r"transport='rdma'; expected one of \['cuda_ipc', 'gloo'"):
+    with pytest.raises(
+        InvalidRequestError, match=r"transport='rdma'; expected one of \['cuda_ipc', 'cuda_ipc_tensors', 'gloo'"
+    ):
         make_transport("rdma")
     with pytest.raises(InvalidRequestError, match=r"transport 'shm' does not take \['master_addr'\]"):
         make_transport("shm", master_addr="10.0.0.1")
@@ -304,3 +306,11 @@ def test_cuda_ipc_sends_a_layout_once_then_by_name_and_again_to_a_worker_without
     fleet.held["w2"].clear()  # say, its engine restarted under the same name
     assert sent(["w1", "w2", "w3"]) == [False, True], "refused by name, sent again in full"
     assert sent(["w1", "w2", "w3"]) == [False]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error for a trainer without CUDA")
+@pytest.mark.parametrize("name", ["cuda_ipc", "cuda_ipc_tensors"])
+def test_the_cuda_ipc_transports_say_they_need_cuda(name: str) -> None:
+    shipment = Shipment.plan([("w", torch.zeros(4))], 1 << 20)
+    with pytest.raises(InvalidRequestError, match=f"transport='{name}' needs CUDA in the trainer"):
+        make_transport(name).prepare(shipment)

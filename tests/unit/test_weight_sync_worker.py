@@ -241,3 +241,59 @@ def test_the_engine_resolves_a_layout_by_name_and_keeps_a_bounded_number() -> No
     for i in range(1, MAX_LAYOUTS + 1):
         layouts.resolve(ipc_load(f"l{i}", full=True))
     assert "l0" not in layouts and f"l{MAX_LAYOUTS}" in layouts
+
+
+def tensors_load(layout: str, *, full: bool) -> p.LoadIpcTensors:
+    sources = [p.IpcSource(msgspec.structs.replace(IPC_HANDLE, event_handle=b""), bucket())] if full else []
+    return p.LoadIpcTensors("ready-1", b"ready-event", layout, sources, begin=True, finish=True)
+
+
+def test_a_tensors_layout_sent_by_name_alone_is_refused_untouched_until_it_was_sent_in_full() -> None:
+    """``load_ipc_tensors`` as ``load_ipc2``: a layout never sent fails the step before any
+    call into the engine; once sent in full, the name alone reaches the engine."""
+
+    async def main() -> None:
+        llm = RecordingLLM()
+        llm.pause_answered.set()
+        worker = Worker(llm)
+        assert (await worker.step(p.Begin("wait"))).ok
+        ack = await worker.step(tensors_load("tensors-a", full=False))
+        assert not ack.ok and ack.message.startswith(f"UnknownLayout: {p.UNKNOWN_LAYOUT} 'tensors-a'")
+        assert llm.calls == ["pause_scheduler:wait"] and not worker.sync.dirty
+        assert (await worker.step(tensors_load("tensors-a", full=True))).ok
+        assert (await worker.step(p.Commit(1))).ok
+        calls = len(llm.calls)
+        assert (await worker.step(p.Begin("wait"))).ok
+        assert (await worker.step(tensors_load("tensors-a", full=False))).ok
+        assert llm.calls[calls:].count("zr_sync") == 1
+        assert not (await worker.step(tensors_load("tensors-b", full=False))).ok
+
+    asyncio.run(main())
+
+
+def test_the_engine_keeps_tensor_layouts_apart_from_bucket_layouts() -> None:
+    from zmq_rollout.weight_sync.cuda_ipc import BucketLayouts, UnknownLayout
+
+    layouts = BucketLayouts()
+    with pytest.raises(UnknownLayout, match=p.UNKNOWN_LAYOUT):
+        layouts.sources(tensors_load("t0", full=False))
+    full = tensors_load("t0", full=True)
+    assert layouts.sources(full) == full.sources
+    assert layouts.sources(tensors_load("t0", full=False)) == full.sources
+    layouts.resolve(ipc_load("b0", full=True))
+    with pytest.raises(ValueError, match="is a bucket, not the trainer's tensors"):
+        layouts.sources(tensors_load("b0", full=False))
+    with pytest.raises(ValueError, match="names the trainer's tensors, not a bucket"):
+        layouts.resolve(ipc_load("t0", full=False))
+
+
+def test_unmapping_closes_the_events_no_step_names() -> None:
+    """``retain`` drops the mappings and the events whose ids the step did not name, so a
+    trainer that restarts (a new ready event each time) leaves nothing open on the worker."""
+    from zmq_rollout.weight_sync.cuda_ipc import CudaIpcCache
+
+    cache = CudaIpcCache()
+    cache._events.update({"ready-old": object(), "ready-new": object(), "b1": None})  # type: ignore[dict-item]
+    cache._mapped.update({"b1": object(), "b2": object()})  # type: ignore[dict-item]
+    cache.retain({"ready-new", "b1"})
+    assert set(cache._events) == {"ready-new", "b1"} and set(cache._mapped) == {"b1"}

@@ -57,7 +57,16 @@ def test_every_sync_step_has_a_handler_on_the_worker() -> None:
     forwarded = {op for op, h in participant.handlers.items() if h in (participant.in_engine, participant.load)}
     receiver = Receiver(model_runner=None, device="cpu")
     assert set(receiver.handlers) == forwarded
-    data_steps = {p.BeginUpdate, p.LoadShm, p.LoadIpc, p.JoinGroup, p.ReceiveBucket, p.LeaveGroup, p.FinishUpdate}
+    data_steps = {
+        p.BeginUpdate,
+        p.LoadShm,
+        p.LoadIpc,
+        p.LoadIpcTensors,
+        p.JoinGroup,
+        p.ReceiveBucket,
+        p.LeaveGroup,
+        p.FinishUpdate,
+    }
     assert forwarded == data_steps
 
 

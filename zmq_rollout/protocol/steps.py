@@ -128,6 +128,22 @@ class CudaIpcHandle(Struct):
     event_sync_required: bool
 
 
+class IpcSource(Struct):
+    """One of the trainer's own GPU storages, exported once, and the round's tensors that lie in
+    it (``bucket``: byte offsets within the storage; ``bucket.index`` counts the sources)."""
+
+    handle: CudaIpcHandle
+    """The storage's export (``event_handle`` empty: the step's ``ready_event`` covers every source)."""
+    bucket: Bucket
+
+    def __post_init__(self) -> None:
+        if self.bucket.nbytes > self.handle.nbytes:
+            raise ValueError(
+                f"source {self.bucket.index} ({self.bucket.nbytes} bytes) does not fit the trainer's storage "
+                f"{self.handle.buffer_id} ({self.handle.nbytes} bytes)"
+            )
+
+
 class NameCheck(Struct):
     """A worker's answer to ``check_names``."""
 
@@ -231,6 +247,36 @@ class LoadIpc(SyncOp, tag="load_ipc2"):
         check_name("a bucket layout", self.layout, MAX_LAYOUT_NAME)
 
 
+class LoadIpcTensors(SyncOp, tag="load_ipc_tensors"):
+    """Loads the round's tensors straight from the trainer's own GPU storages (its parameters,
+    updated in place between rounds): no staging buffer, one copy per tensor on the GPU. Maps
+    each source's ``handle`` unless its ``buffer_id`` is mapped already (kept across rounds),
+    unmaps every buffer whose id is not in ``live``, makes its reads wait (on the GPU) for the
+    trainer's ``ready_event`` (recorded after its last write before the round; opened once per
+    ``ready_id``), loads every source's tensors, and answers once its reads are done: the
+    trainer writes its parameters again only after the round. ``layout`` as for ``load_ipc2``:
+    ``sources`` empty means those sent earlier under that name. ``begin``, ``finish``,
+    ``direct`` as for ``load_shm``."""
+
+    RESULT: ClassVar[str] = "int: tensors loaded, summed over its ranks"
+    ready_id: str
+    ready_event: bytes
+    layout: str
+    sources: list[IpcSource] = []
+    live: list[str] = []
+    begin: bool = False
+    finish: bool = False
+    direct: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.ready_event:
+            raise ValueError("load_ipc_tensors comes without the trainer's ready event")
+        check_name("a ready event id", self.ready_id, MAX_LAYOUT_NAME)
+        check_name("a bucket layout", self.layout, MAX_LAYOUT_NAME)
+        if len(self.sources) > MAX_TENSORS:
+            raise ValueError(f"load_ipc_tensors takes at most {MAX_TENSORS} sources")
+
+
 class JoinGroup(SyncOp, tag="join_group"):
     """Each of the worker's ranks joins the trainer's process group (a TCPStore at
     ``host:port``, keys under ``group_name``) as rank ``Control.rank_offset`` + its rank in
@@ -322,6 +368,7 @@ AnySyncOp = Union[  # noqa: UP007 (msgspec needs a runtime Union)
     BeginUpdate,
     LoadShm,
     LoadIpc,
+    LoadIpcTensors,
     JoinGroup,
     ReceiveBucket,
     LeaveGroup,

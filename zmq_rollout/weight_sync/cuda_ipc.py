@@ -37,6 +37,7 @@ __all__ = [
     "UnknownLayout",
     "cuda_device_uuid",
     "open_cuda_ipc",
+    "step_with_layout",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,21 +91,15 @@ class CudaIpcTransport(WeightTransport):
     async def _load(
         self, rnd: SyncRound, handle: CudaIpcHandle, bucket: Bucket, live: list[str], edges: dict[str, bool]
     ) -> None:
-        """One ``load_ipc2``: the layout by name alone where every member holds it (no
-        tensor list to encode, relay, decode and check on each hop), else in full; a member
-        that lost it fails the step with ``UnknownLayout`` before any weight moved, and the
-        step goes again in full."""
+        """One ``load_ipc2``, its layout by name where every member holds it (``step_with_layout``)."""
         name = self.layouts.name(bucket)
-        if self.layouts.held_by(name, rnd.members):
-            try:
-                await rnd.step(p.LoadIpc(handle, p.Bucket(bucket.index, bucket.nbytes, []), name, live, **edges))
-                return
-            except SyncError as exc:
-                if p.UNKNOWN_LAYOUT not in str(exc):
-                    raise
-                log.info("weight sync: a worker lost bucket layout %s; sending it again", name)
-        await rnd.step(p.LoadIpc(handle, bucket, name, live, **edges))
-        self.layouts.sent(name, rnd.members)
+        await step_with_layout(
+            rnd,
+            self.layouts,
+            name,
+            p.LoadIpc(handle, p.Bucket(bucket.index, bucket.nbytes, []), name, live, **edges),
+            p.LoadIpc(handle, bucket, name, live, **edges),
+        )
 
     def close(self) -> None:
         if self.buffers is not None:
@@ -112,24 +107,44 @@ class CudaIpcTransport(WeightTransport):
             self.buffers = None
 
 
-class LayoutNames:
-    """The trainer's names for bucket layouts, and which workers hold each.
+async def step_with_layout(
+    rnd: SyncRound, layouts: LayoutNames, name: str, by_name: p.AnySyncOp, in_full: p.AnySyncOp
+) -> None:
+    """Send a step that carries layout ``name``: ``by_name`` (the layout by its name alone: no
+    tensor list to encode, relay, decode and check on each hop) where every member holds it,
+    else ``in_full``. A member that lost it fails the step with ``UnknownLayout`` before any
+    weight moved, and the step goes again in full."""
+    if layouts.held_by(name, rnd.members):
+        try:
+            await rnd.step(by_name)
+            return
+        except SyncError as exc:
+            if p.UNKNOWN_LAYOUT not in str(exc):
+                raise
+            log.info("weight sync: a worker lost layout %s; sending it again", name)
+    await rnd.step(in_full)
+    layouts.sent(name, rnd.members)
 
-    ``plan_buckets_cached`` hands out the same ``Bucket`` for the same layout, so a layout is
-    known by its object (held here, so that its ``id`` is not reused) and named once; a
-    layout planned again gets a new name and is sent once more, which is only slower."""
+
+class LayoutNames:
+    """The trainer's names for layouts, and which workers hold each.
+
+    ``plan_buckets_cached`` hands out the same ``Bucket`` for the same layout (and
+    ``cuda_ipc_tensors`` the same list of sources), so a layout is known by its object (held
+    here, so that its ``id`` is not reused) and named once; a layout planned again gets a
+    new name and is sent once more, which is only slower."""
 
     def __init__(self) -> None:
-        self._names: dict[int, tuple[Bucket, str]] = {}
+        self._names: dict[int, tuple[object, str]] = {}
         self._holders: dict[str, set[str]] = {}
 
-    def name(self, bucket: Bucket) -> str:
-        known = self._names.get(id(bucket))
+    def name(self, layout: object) -> str:
+        known = self._names.get(id(layout))
         if known is None:
             if len(self._names) >= MAX_LAYOUTS:  # workers keep as many: name the oldest no more
                 _, old = self._names.pop(next(iter(self._names)))
                 self._holders.pop(old, None)
-            known = self._names[id(bucket)] = (bucket, uuid.uuid4().hex[:16])
+            known = self._names[id(layout)] = (layout, uuid.uuid4().hex[:16])
         return known[1]
 
     def held_by(self, name: str, members: Iterable[str]) -> bool:
@@ -148,31 +163,63 @@ class UnknownLayout(ValueError):
 
 
 class BucketLayouts:
-    """A worker's bucket layouts by the trainer's name (``load_ipc2``'s ``layout``), the last
-    ``MAX_LAYOUTS``."""
+    """A worker's bucket layouts by the trainer's name (``load_ipc2``'s and
+    ``load_ipc_tensors``' ``layout``), the last ``MAX_LAYOUTS``: a ``Bucket`` for a
+    ``load_ipc2``, the list of sources for a ``load_ipc_tensors``."""
 
     def __init__(self) -> None:
-        self._layouts: dict[str, Bucket] = {}
+        self._layouts: dict[str, Bucket | list[p.IpcSource]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._layouts
 
+    @staticmethod
+    def carries_layout(op: p.LoadIpc | p.LoadIpcTensors) -> bool:
+        """Whether the step carries its layout in full (else it names one sent before)."""
+        return bool(op.bucket.tensors if isinstance(op, p.LoadIpc) else op.sources)
+
+    def _keep(self, name: str, layout: Bucket | list[p.IpcSource]) -> None:
+        if name not in self._layouts and len(self._layouts) >= MAX_LAYOUTS:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[name] = layout
+
+    def _held(self, name: str) -> Bucket | list[p.IpcSource]:
+        layout = self._layouts.get(name)
+        if layout is None:
+            raise UnknownLayout(f"{p.UNKNOWN_LAYOUT} {name!r}: never sent to this worker")
+        return layout
+
+    def remember(self, op: p.LoadIpc | p.LoadIpcTensors) -> None:
+        """Keep the layout of a step that carries it in full."""
+        if isinstance(op, p.LoadIpc):
+            self.resolve(op)
+        else:
+            self.sources(op)
+
     def resolve(self, op: p.LoadIpc) -> Bucket:
         """The step's bucket in full: kept if it came in full, else the one kept under its name."""
         if op.bucket.tensors:
-            if op.layout not in self._layouts and len(self._layouts) >= MAX_LAYOUTS:
-                self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[op.layout] = op.bucket
+            self._keep(op.layout, op.bucket)
             return op.bucket
-        bucket = self._layouts.get(op.layout)
-        if bucket is None:
-            raise UnknownLayout(f"{p.UNKNOWN_LAYOUT} {op.layout!r}: never sent to this worker")
+        bucket = self._held(op.layout)
+        if not isinstance(bucket, Bucket):
+            raise ValueError(f"bucket layout {op.layout!r} names the trainer's tensors, not a bucket")
         if bucket.index != op.bucket.index or bucket.nbytes != op.bucket.nbytes:
             raise ValueError(
                 f"bucket layout {op.layout!r} is bucket {bucket.index} of {bucket.nbytes} bytes, "
                 f"not {op.bucket.index} of {op.bucket.nbytes}"
             )
         return bucket
+
+    def sources(self, op: p.LoadIpcTensors) -> list[p.IpcSource]:
+        """The step's sources in full: kept if they came in full, else those kept under its name."""
+        if op.sources:
+            self._keep(op.layout, op.sources)
+            return op.sources
+        sources = self._held(op.layout)
+        if isinstance(sources, Bucket):
+            raise ValueError(f"layout {op.layout!r} is a bucket, not the trainer's tensors")
+        return sources
 
 
 def cuda_device_uuid(index: int) -> str:
@@ -286,8 +333,8 @@ class CudaIpcCache:
     """A worker's mappings of the trainer's exported buffers, by ``buffer_id``.
 
     ``get`` maps a buffer the first time its id is seen and returns the same tensor after.
-    ``retain(ids)`` unmaps every other buffer, so a trainer that reallocates (a larger
-    bucket, a restart) does not leave its old buffers pinned.
+    ``retain(ids)`` unmaps every other buffer (and closes every other event), so a trainer that
+    reallocates (a larger bucket, new parameters, a restart) does not leave its old buffers pinned.
     """
 
     def __init__(self) -> None:
@@ -302,7 +349,8 @@ class CudaIpcCache:
         keep = set(buffer_ids)
         for buffer_id in [b for b in self._mapped if b not in keep]:
             del self._mapped[buffer_id]
-            self._events.pop(buffer_id, None)
+        for event_id in [e for e in self._events if e not in keep]:
+            del self._events[event_id]
 
     def ready_event(self, handle: CudaIpcHandle) -> torch.cuda.Event | None:
         """The trainer's ready event for this buffer, opened once: each pack records it, and
@@ -316,6 +364,16 @@ class CudaIpcCache:
                 event = torch.cuda.Event.from_ipc_handle(self.get(handle).device, handle.event_handle)
             self._events[handle.buffer_id] = event
         return self._events[handle.buffer_id]
+
+    def event(self, event_id: str, event_handle: bytes, device: torch.device) -> torch.cuda.Event:
+        """The trainer's interprocess event ``event_id``, opened once (``retain`` drops it
+        when a step no longer names it)."""
+        event = self._events.get(event_id)
+        if event is None:
+            import torch
+
+            event = self._events[event_id] = torch.cuda.Event.from_ipc_handle(device, event_handle)
+        return event
 
     def wait_ready(self, handle: CudaIpcHandle, device: torch.device) -> None:
         """Make ``device``'s current stream wait until the trainer's last pack into this

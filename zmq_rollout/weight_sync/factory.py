@@ -10,12 +10,14 @@ from zmq_rollout.errors import InvalidRequestError
 
 from .collective import CollectiveTransport
 from .cuda_ipc import CudaIpcTransport
+from .cuda_ipc_tensors import CudaIpcTensorsTransport
 from .shm import ShmTransport
 from .transport import WeightTransport
 
 TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {
     "shm": ShmTransport,
     "cuda_ipc": CudaIpcTransport,
+    "cuda_ipc_tensors": CudaIpcTensorsTransport,
     "gloo": functools.partial(CollectiveTransport, "gloo"),
     "nccl": functools.partial(CollectiveTransport, "nccl"),
 }
