@@ -415,7 +415,7 @@ def open_cuda_ipc(handle: CudaIpcHandle) -> torch.Tensor:
         handle.storage_offset,
         handle.ref_counter_handle,
         handle.ref_counter_offset,
-        handle.event_handle or None,
+        handle.event_handle,  # bytes, empty for none (torch reads it only if event_sync_required)
         handle.event_sync_required,
     )
     tensor = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
