@@ -32,6 +32,7 @@ no job requeued, and at the end each double says how many times the broker purge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +45,19 @@ from typing import Any
 
 import roles
 import zmq
-from broker_throughput import CTX, REPO, Group, Tree, _git, split, tree_broker_ready, wait_registered, wire_differences
+from broker_throughput import (
+    CLK_TCK,
+    CTX,
+    REPO,
+    Group,
+    Tree,
+    _git,
+    split,
+    tree_broker_ready,
+    wait_registered,
+    wire_differences,
+    worktree,
+)
 from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, _cpu_model
 
 from zmq_rollout import codec
@@ -103,6 +116,23 @@ def memory(pid: int) -> dict[str, int]:
         return vm_status(f.read())
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of a process's threads, summed by kind: ``io`` (libzmq's I/O threads,
+    ``ZMQbg/IO/n``: the TCP reads and writes of every connection) and ``loop`` (the others: the
+    broker's Python thread)."""
+    out = {"io": 0.0, "loop": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        out["io" if name.startswith("ZMQbg/IO") else "loop"] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
 def per_peer(before: int, after: int, peers: int) -> int | None:
     """Bytes of resident memory per peer that registered between the two readings."""
     return round((after - before) / peers) if peers > 0 else None
@@ -136,8 +166,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         cells.setdefault((r["workers"], r["clients"]), {})[r["mode"]] = r
     head = (
-        f"{'workers':>7} {'clients':>7} | {'batched jobs/s':>14} {'us/job':>7} {'x 8x8':>6} {'j/msg':>5} | "
-        f"{'unbatched jobs/s':>16} {'us/job':>7} {'x 8x8':>6} {'j/msg':>5} | {'broker':>6} {'other':>5}"
+        f"{'workers':>7} {'clients':>7} | {'batched jobs/s':>14} {'us/job':>7} {'io':>5} {'x 8x8':>6} {'j/msg':>5} "
+        f"{'m/job':>5} {'us/m':>5} | {'unbatched jobs/s':>16} {'us/job':>7} {'io':>5} {'x 8x8':>6} {'j/msg':>5} "
+        f"{'m/job':>5} {'us/m':>5} | {'broker':>6} {'other':>5}"
     )
     out = [head, "-" * len(head)]
     for (workers, clients), modes in sorted(cells.items()):
@@ -145,12 +176,14 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         for mode, width in (("batched", 14), ("unbatched", 16)):
             cell = modes.get(mode)
             if cell is None:
-                line += f" {'-':>{width}} {'-':>7} {'-':>6} {'-':>5} |"
+                line += f" {'-':>{width}} {'-':>7} {'-':>5} {'-':>6} {'-':>5} {'-':>5} {'-':>5} |"
             else:
                 ratio = _fmt(cell["ratio"], ".2f")
                 line += (
-                    f" {cell['jobs_per_s']:>{width},} {cell['broker_us_per_job']:>7.2f} {ratio:>6} "
-                    f"{cell['jobs_per_jobs_message']:>5.1f} |"
+                    f" {cell['jobs_per_s']:>{width},} {cell['broker_us_per_job']:>7.2f} "
+                    f"{_fmt(cell['broker_io_us_per_job'], '.1f'):>5} {ratio:>6} "
+                    f"{cell['jobs_per_jobs_message']:>5.1f} {cell['broker_messages_per_job']:>5.2f} "
+                    f"{_fmt(cell['broker_us_per_message'], '.1f'):>5} |"
                 )
         cores = [m["cpu_cores"] for m in modes.values()]
         broker = max(c.get("server", 0.0) for c in cores)
@@ -240,9 +273,26 @@ def start_clients(g: Group, front: str, case: Case, args: argparse.Namespace, go
     return tags
 
 
-def fleet_counts(counts: list[Any]) -> tuple[int, int, int]:
-    """(jobs answered, JOBS messages, purges) so far, summed over the doubles' shared counters."""
-    return sum(sum(c[0::3]) for c in counts), sum(sum(c[1::3]) for c in counts), sum(sum(c[2::3]) for c in counts)
+def fleet_counts(counts: list[Any]) -> tuple[int, ...]:
+    """(jobs answered, JOBS messages, purges, HEARTBEATs from the broker) so far, summed over
+    the doubles' shared counters (``roles.FLEET_COUNTS`` per thread)."""
+    n = roles.FLEET_COUNTS
+    return tuple(sum(sum(c[i::n]) for c in counts) for i in range(n))
+
+
+def broker_messages(
+    case: Case, jobs: int, jobs_messages: int, heartbeats: int, answers: int, args: argparse.Namespace
+) -> float:
+    """Messages the broker read or sent per completed job in a window: the clients' SUBMITs
+    (``BATCH`` jobs each, batched), the JOBS it sent and the FINAL each double answers one with,
+    the HEARTBEATs it sent, the answers its clients received (their FINALs: its batching toward
+    them) and every worker's heartbeat, once a second. How much of a shape's cost per job is its
+    number of messages (``us/m`` is then what one costs)."""
+    if not jobs:
+        return 0.0
+    submits = jobs / (BATCH if case.batched else 1)
+    beats_in = case.workers * args.duration / WorkerConfig().heartbeat_interval_s
+    return (submits + 2 * jobs_messages + heartbeats + answers + beats_in) / jobs
 
 
 def run_window(
@@ -254,9 +304,10 @@ def run_window(
     clock[0], clock[1] = t_begin, t_begin + args.duration
     go.set()
     time.sleep(max(0.0, t_begin - time.monotonic()))
-    cpu0, fleet0 = g.cpu(), fleet_counts(counts)
+    pid = g.pid("broker")
+    cpu0, fleet0, threads0 = g.cpu(), fleet_counts(counts), thread_cpu(pid)
     time.sleep(max(0.0, clock[1] - time.monotonic()))
-    cpu1, fleet1 = g.cpu(), fleet_counts(counts)
+    cpu1, fleet1, threads1 = g.cpu(), fleet_counts(counts), thread_cpu(pid)
     done = g.expect("done", tags, timeout=roles.DRAIN_SECONDS + 60)
     for _, _, proc in [x for x in g.procs if x[1] in tags]:
         proc.join(10)
@@ -265,6 +316,8 @@ def run_window(
     cpu = {role: round((cpu1[role] - cpu0.get(role, 0.0)) / args.duration, 2) for role in cpu1}
     cpu["other"] = round(max(0.0, cpu.pop("machine") - sum(cpu.values())), 2)
     broker_us = (cpu1["server"] - cpu0["server"]) / jobs * 1e6 if jobs else float("nan")
+    answers = sum(d["messages"] for d in done.values())
+    messages = broker_messages(case, jobs, fleet1[1] - fleet0[1], fleet1[3] - fleet0[3], answers, args)
     return {
         "workers": case.workers,
         "clients": case.clients,
@@ -273,8 +326,11 @@ def run_window(
         "jobs_per_s": round(jobs / args.duration),
         "errors": sum(d["errors"] for d in done.values()),
         "broker_us_per_job": round(broker_us, 2),
+        "broker_io_us_per_job": round((threads1["io"] - threads0["io"]) / jobs * 1e6, 2) if jobs else None,
         "cpu_cores": cpu,
         "jobs_per_jobs_message": round((fleet1[0] - fleet0[0]) / max(1, fleet1[1] - fleet0[1]), 1),
+        "broker_messages_per_job": round(messages, 2),
+        "broker_us_per_message": round(broker_us / messages, 2) if messages else None,
     }
 
 
@@ -290,7 +346,7 @@ def run_fleet(
         time.sleep(0.5)  # its poll loop runs: the resident set of an idle broker
         rss_no_peer = memory(pid)["VmRSS"]
         sizes = split(workers, args.worker_procs)
-        counts = [CTX.Array("q", 3 * args.worker_threads, lock=False) for _ in sizes]
+        counts = [CTX.Array("q", roles.FLEET_COUNTS * args.worker_threads, lock=False) for _ in sizes]
         fleet = [
             g.start(
                 "workers",
@@ -349,8 +405,12 @@ def run(args: argparse.Namespace) -> None:
     started, load0 = time.monotonic(), os.getloadavg()
     os.environ.pop(roles.CURVE_ENV, None)
     rows, fleets = [], []
-    with tempfile.TemporaryDirectory(prefix="zr-bench-scale-") as folder:
-        tree = snapshot(REPO, folder)
+    with tempfile.TemporaryDirectory(prefix="zr-bench-scale-") as folder, contextlib.ExitStack() as stack:
+        if args.baseline_ref:  # that commit's broker alone: run with and without, alternately, for an A/B
+            path, sha = stack.enter_context(worktree(args.baseline_ref))
+            tree = Tree("scale", path, f"{args.baseline_ref} = {sha[:9]} (a git worktree)")
+        else:
+            tree = snapshot(REPO, folder)
         print(f"  broker: {tree.describe}", flush=True)
         for workers, client_counts in shapes(args.quick, args.scale_shapes).items():
             fleet_rows, mem = run_fleet(tree, workers, client_counts, args)
@@ -398,9 +458,12 @@ def report(
     for line in table(rows):
         print(line)
     print(
-        "us/job: the broker process's CPU time per completed job; broker/other: CPU cores the broker and "
+        "us/job: the broker process's CPU time per completed job, of which io: its libzmq I/O thread's; "
+        "broker/other: CPU cores the broker and "
         "processes outside the benchmark used (the more of either of a window's two modes);\n"
-        "j/msg: jobs per JOBS message the doubles received (the broker's batching at that shape)"
+        "j/msg: jobs per JOBS message the doubles received (the broker's batching at that shape); m/job: messages "
+        "the broker read or sent per job (SUBMITs, JOBS, the doubles' FINALs, FINALs to clients, heartbeats);\n"
+        "us/m: broker CPU per message (us/job over m/job): what a shape's messages cost, apart from how many there are"
     )
     print("\nbroker memory (VmRSS): no peer, all workers registered, the clients registered (before any job)")
     for line in memory_table(fleets):

@@ -652,7 +652,8 @@ def main() -> None:
         "--baseline-ref",
         metavar="REF",
         help="measure the broker cases with the broker of commit REF (a temporary git worktree) and with "
-        "this one, interleaved; same clients and echo doubles (this checkout's) for both",
+        "this one, interleaved; same clients and echo doubles (this checkout's) for both; with --scale: the "
+        "scale run measures REF's broker alone (alternate runs with and without it for an A/B)",
     )
     ap.add_argument(
         "--after-ref",
@@ -687,11 +688,11 @@ def main() -> None:
     if args.profile:
         profile(args)
         return
-    if args.baseline_ref:
-        compare(args)
-        return
     if scale:
         broker_scale.run(args)
+        return
+    if args.baseline_ref:
+        compare(args)
         return
     started = time.monotonic()
     latency: dict[str, list[int]] = {}

@@ -430,11 +430,16 @@ def _send_now(sock: zmq.Socket[Any], frames: list[bytes]) -> None:
         sock.send_multipart(frames, zmq.NOBLOCK)
 
 
+FLEET_COUNTS = 4
+"""Counters per thread of ``echo_double_fleet``: jobs answered, JOBS messages, purges, HEARTBEATs received."""
+
+
 def _serve_doubles(
     socks: dict[zmq.Socket[Any], str], credits: int, heartbeat_s: float, stop: threading.Event, counts: Any, k: int
 ) -> None:
     """Thread ``k`` of ``echo_double_fleet``: serve its doubles' sockets; counts its jobs, JOBS
-    messages and purges in ``counts[3k:3k+3]`` (shared with the parent, this thread's own slots).
+    messages, purges and the broker's HEARTBEATs in ``counts[FLEET_COUNTS * k:][:FLEET_COUNTS]``
+    (shared with the parent, this thread's own slots).
 
     Woken by epoll on each socket's ``zmq.FD``, so a wake-up costs what is ready, not what is
     registered (``zmq.Poller`` walks every socket on every call: 128 sockets a thread made the
@@ -453,6 +458,7 @@ def _serve_doubles(
     decoder, beat = codec.Decoder(codec.TO_WORKER), codec.encode(p.HEARTBEAT)
     next_beat = time.monotonic() + heartbeat_s
     ready = list(socks)
+    slot = FLEET_COUNTS * k
     while not stop.is_set():
         if not ready:
             timeout = max(0.001, min(0.25, next_beat - time.monotonic()))
@@ -463,10 +469,12 @@ def _serve_doubles(
                 msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
                 if msg.command == p.JOBS:
                     sock.send_multipart(codec.encode(p.FINAL, [echo_result(a, name, 0) for a in msg.body]))
-                    counts[3 * k] += len(msg.body)
-                    counts[3 * k + 1] += 1
+                    counts[slot] += len(msg.body)
+                    counts[slot + 1] += 1
+                elif msg.command == p.HEARTBEAT:
+                    counts[slot + 3] += 1
                 elif msg.command == p.DISCONNECT:  # the broker purged this double: taken for dead
-                    counts[3 * k + 2] += 1
+                    counts[slot + 2] += 1
                     _send_now(sock, codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
         ready = []
         if time.monotonic() >= next_beat:
@@ -489,8 +497,8 @@ def echo_double_fleet(
     and heartbeats every ``heartbeat_s`` (the real worker's ``WorkerConfig.heartbeat_interval_s``).
     A DISCONNECT from the broker (it purged the double, taken for dead) is counted and answered
     with a fresh READY. ``counts``: a shared array of 3 x ``threads`` integers, per thread the
-    jobs answered, the JOBS messages they came in and the purges, for the parent to read at any
-    time. On SIGTERM: DISCONNECT from each, then ``done``: {"jobs", "purged"}."""
+    jobs answered, the JOBS messages they came in, the purges and the broker's HEARTBEATs, for the parent to read at any
+    time (``FLEET_COUNTS`` per thread). On SIGTERM: DISCONNECT from each, then ``done``: {"jobs", "purged"}."""
     ctx = _many_sockets(num)
     stop = _stop_event()
     socks: list[dict[zmq.Socket[Any], str]] = [{} for _ in range(max(1, min(threads, num)))]
@@ -516,7 +524,8 @@ def echo_double_fleet(
         for sock in share:
             _send_now(sock, codec.encode(p.DISCONNECT))
             sock.close(linger=100)
-    report.put(("done", tag, {"jobs": sum(counts[0::3]), "purged": sum(counts[2::3])}))
+    n = FLEET_COUNTS
+    report.put(("done", tag, {"jobs": sum(counts[0::n]), "purged": sum(counts[2::n])}))
 
 
 @role
@@ -569,7 +578,11 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
     for sock in socks:
         sock.send_multipart(codec.encode(p.DISCONNECT))
         sock.close(linger=100)
-    done = {"jobs": sum(w.done for w in wins.values()), "errors": sum(w.errors for w in wins.values())}
+    done = {
+        "jobs": sum(w.done for w in wins.values()),
+        "errors": sum(w.errors for w in wins.values()),
+        "messages": sum(w.messages for w in wins.values()),
+    }
     report.put(("done", tag, done))
 
 
@@ -580,12 +593,15 @@ class _Window:
     def __init__(self, clock: Any) -> None:
         self.t_begin, self.t_end = clock[0], clock[1]
         self.inflight = self.done = self.errors = 0
+        self.messages = 0
+        """Answers (FINAL, ERROR, BUSY) received inside the window: the broker's batching toward clients."""
 
     def complete(self, jobs: int, errors: int, now: float) -> None:
         self.inflight -= jobs + errors
         if self.t_begin <= now < self.t_end:
             self.done += jobs
             self.errors += errors
+            self.messages += jobs + errors > 0
 
 
 def _count_answer(decoder: codec.Decoder, frames: list[bytes]) -> tuple[int, int]:

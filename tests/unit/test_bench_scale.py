@@ -3,6 +3,8 @@ shapes it runs, /proc parsing, memory per peer, ratios to 8 x 8, the 1.5x goal, 
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as when run from there
 
 import broker_scale as bs
+import roles
 
 
 def row(workers: int, clients: int, mode: str, us: float, jobs: int = 1000) -> dict[str, Any]:
@@ -23,6 +26,9 @@ def row(workers: int, clients: int, mode: str, us: float, jobs: int = 1000) -> d
         "jobs_per_s": jobs,
         "broker_us_per_job": us,
         "jobs_per_jobs_message": 4.0,
+        "broker_io_us_per_job": us / 4,
+        "broker_messages_per_job": 2.0,
+        "broker_us_per_message": us / 2,
         "cpu_cores": {"server": 0.9, "other": 0.1},
     }
 
@@ -106,3 +112,28 @@ def test_scale_shapes_are_clients_x_workers() -> None:
     for bad in ("8", "8x", "ax8", "0x8", "8x8x8"):
         with pytest.raises(ValueError, match="shape"):
             bs.shapes(False, bad)
+
+
+def test_broker_messages_per_job_counts_every_message_it_reads_or_sends() -> None:
+    args = argparse.Namespace(duration=4.0)
+    # 6,400 batched jobs: 100 SUBMITs, 800 JOBS and 800 FINALs, 40 HEARTBEATs sent, 200 answers,
+    # 8 workers x 4 s of their heartbeats
+    case = bs.Case(8, 8, batched=True)
+    assert bs.broker_messages(case, 6400, 800, 40, 200, args) == pytest.approx((100 + 1600 + 40 + 200 + 32) / 6400)
+    unbatched = bs.Case(8, 8, batched=False)  # a SUBMIT per job
+    assert bs.broker_messages(unbatched, 100, 100, 0, 100, args) == pytest.approx((100 + 200 + 100 + 32) / 100)
+    assert bs.broker_messages(case, 0, 0, 0, 0, args) == 0.0
+
+
+def test_fleet_counts_sum_each_counter_over_threads_and_processes() -> None:
+    n = roles.FLEET_COUNTS
+    assert n == 4
+    one = [5, 1, 0, 7, 3, 1, 2, 9]  # two threads: jobs, JOBS messages, purges, heartbeats each
+    other = [10, 2, 0, 1]
+    assert bs.fleet_counts([one, other]) == (18, 4, 2, 17)
+
+
+def test_thread_cpu_splits_libzmq_io_threads_from_the_rest() -> None:
+    cpu = bs.thread_cpu(os.getpid())
+    assert set(cpu) == {"io", "loop"}
+    assert cpu["loop"] > 0.0
