@@ -7,6 +7,7 @@ Vocabulary: a worker announces **credits** (the sequences its engine runs at onc
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -62,6 +63,9 @@ class WorkerState:
     """False while a weight-sync round holds it, or while it is stale."""
     last_pick: int = 0
     """The ticket of the last job dispatched to it (ties in load go to the longest idle)."""
+    jobs_sent_at: float = -math.inf
+    """When a dispatch pass last sent it jobs: any message tells it the broker lives, so the
+    next ``tick`` within a heartbeat interval of that sends it no HEARTBEAT."""
 
     @property
     def credits_free(self) -> int:

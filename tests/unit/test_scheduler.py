@@ -355,6 +355,28 @@ def test_tick_sends_heartbeats_to_workers() -> None:
     }
 
 
+def test_tick_sends_no_heartbeat_to_a_worker_sent_jobs_within_the_interval() -> None:
+    s = make(heartbeat_interval_s=1.0)
+    ready(s, W1, 4)
+    ready(s, W2, 4)
+    s.outbox.take()
+
+    def beats(now: float) -> set[bytes]:
+        s.tick(now)
+        return {peer for side, peer, cmd, _ in s.outbox.take() if cmd == p.HEARTBEAT and side == WORKER}
+
+    assert beats(0.5) == {W1, W2}
+    s.submit(A, jobs("a", 1), now=0.6)  # one job: the least loaded worker, W1 (idle longest: a tie)
+    (target,) = {peer for side, peer, cmd, _ in s.outbox.take() if cmd == p.JOBS}
+    other = W2 if target == W1 else W1
+    assert beats(1.5) == {other}  # JOBS 0.9 s ago: that told it the broker lives
+    assert beats(1.6) == {target, other}  # a full interval since its JOBS: it gets one again
+    s.submit(A, jobs("b", 1), now=2.0)
+    s.outbox.take()
+    assert len(beats(2.9)) == 1
+    assert beats(3.0) == {W1, W2}  # exactly one interval since its JOBS: beaten again (never two skipped)
+
+
 def test_expired_worker_jobs_are_requeued_at_the_front_and_late_final_is_dropped() -> None:
     s = make(heartbeat_interval_s=1.0, worker_liveness=3)  # expiry after 3 s of silence
     ready(s, W1, 2, now=0.0)
