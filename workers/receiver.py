@@ -199,7 +199,7 @@ class Receiver:
         self.ipc.retain(keep)
         if self.direct is not None:
             self.direct.forget(keep)
-        parts = [(s.bucket, self.ipc.get(s.handle)[: s.bucket.nbytes]) for s in sources]
+        parts = [(s.bucket, self.ipc.get(s.handle)) for s in sources]  # no per-round view of each
         device = parts[0][1].device if parts else self.device
         torch_stream_wait(self.ipc.event(op.ready_id, op.ready_event, device), self.device)
         self._add_ms("map", started)
