@@ -64,11 +64,17 @@ def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
     return frames
 
 
+_send = zmq.backend.Socket.send
+"""libzmq's send as pyzmq's compiled backend has it: ``zmq.Socket.send`` is a Python method over
+it for draft sockets' ``routing_id`` and ``group`` (unused here), and costs as much again
+(about 0.6 against 0.3 us a frame): a quarter of a small message's sending."""
+
+
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """Send ``frames`` as one message without blocking (raises ``zmq.ZMQError``, e.g. EAGAIN)."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        sock.send(frame, _MORE if i < last else _NOBLOCK, copy=len(frame) < _COPY_BELOW)
+        _send(sock, frame, _MORE if i < last else _NOBLOCK, len(frame) < _COPY_BELOW)
 
 
 _job_decoder = msgspec.msgpack.Decoder(p.JobRelay)
