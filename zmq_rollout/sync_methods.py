@@ -55,7 +55,9 @@ class WeightSyncMethods:
 
         ``source``: an ``nn.Module`` (its ``state_dict()``, tied weights once) or
         ``(name, tensor)`` pairs with checkpoint names. ``transport``: ``"shm"`` (one host),
-        ``"cuda_ipc"`` (the GPUs of one node), ``"gloo"`` or ``"nccl"`` (any hosts; the
+        ``"cuda_ipc"`` (the GPUs of one node), ``"cuda_ipc_tensors"`` (the same, workers
+        copying straight from the trainer's tensors, which must stay in place between
+        rounds: the fastest), ``"gloo"`` or ``"nccl"`` (any hosts; the
         trainer listens on ``master_addr``, default 127.0.0.1), or a ``WeightTransport``; it
         is kept, with its buffers, for the next call. ``pause``: what jobs in flight do
         (``"abort"``, ``"wait"``, ``"keep"``). ``version``: default the fleet's + 1.
