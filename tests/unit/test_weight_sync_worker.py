@@ -203,26 +203,32 @@ def ipc_load(layout: str, *, full: bool) -> p.LoadIpc:
     return p.LoadIpc(IPC_HANDLE, sent, layout, ["b1"], begin=True, finish=True)
 
 
-def test_a_layout_sent_by_name_alone_is_refused_untouched_until_it_was_sent_in_full() -> None:
-    """A ``load_ipc2`` naming a layout this worker was never sent fails at once: no call into
-    the engine, weights not dirty (the trainer sends it again in full); once sent in full,
-    the name alone reaches the engine."""
+def tensors_load(layout: str, *, full: bool) -> p.LoadIpcTensors:
+    sources = [p.IpcSource(msgspec.structs.replace(IPC_HANDLE, event_handle=b""), bucket())] if full else []
+    return p.LoadIpcTensors("ready-1", b"ready-event", layout, sources, begin=True, finish=True)
+
+
+@pytest.mark.parametrize("load", [ipc_load, tensors_load], ids=["load_ipc2", "load_ipc_tensors"])
+def test_a_layout_sent_by_name_alone_is_refused_untouched_until_it_was_sent_in_full(load: Any) -> None:
+    """A ``load_ipc2`` (or ``load_ipc_tensors``) naming a layout this worker was never sent
+    fails at once: no call into the engine, weights not dirty (the trainer sends it again in
+    full); once sent in full, the name alone reaches the engine."""
 
     async def main() -> None:
         llm = RecordingLLM()
         llm.pause_answered.set()
         worker = Worker(llm)
         assert (await worker.step(p.Begin("wait"))).ok
-        ack = await worker.step(ipc_load("layout-a", full=False))
+        ack = await worker.step(load("layout-a", full=False))
         assert not ack.ok and ack.message.startswith(f"UnknownLayout: {p.UNKNOWN_LAYOUT} 'layout-a'")
         assert llm.calls == ["pause_scheduler:wait"] and not worker.sync.dirty
-        assert (await worker.step(ipc_load("layout-a", full=True))).ok
+        assert (await worker.step(load("layout-a", full=True))).ok
         assert (await worker.step(p.Commit(1))).ok
         calls = len(llm.calls)
         assert (await worker.step(p.Begin("wait"))).ok
-        assert (await worker.step(ipc_load("layout-a", full=False))).ok
+        assert (await worker.step(load("layout-a", full=False))).ok
         assert llm.calls[calls:].count("zr_sync") == 1
-        assert not (await worker.step(ipc_load("layout-b", full=False))).ok
+        assert not (await worker.step(load("layout-b", full=False))).ok
 
     asyncio.run(main())
 
@@ -241,34 +247,6 @@ def test_the_engine_resolves_a_layout_by_name_and_keeps_a_bounded_number() -> No
     for i in range(1, MAX_LAYOUTS + 1):
         layouts.resolve(ipc_load(f"l{i}", full=True))
     assert "l0" not in layouts and f"l{MAX_LAYOUTS}" in layouts
-
-
-def tensors_load(layout: str, *, full: bool) -> p.LoadIpcTensors:
-    sources = [p.IpcSource(msgspec.structs.replace(IPC_HANDLE, event_handle=b""), bucket())] if full else []
-    return p.LoadIpcTensors("ready-1", b"ready-event", layout, sources, begin=True, finish=True)
-
-
-def test_a_tensors_layout_sent_by_name_alone_is_refused_untouched_until_it_was_sent_in_full() -> None:
-    """``load_ipc_tensors`` as ``load_ipc2``: a layout never sent fails the step before any
-    call into the engine; once sent in full, the name alone reaches the engine."""
-
-    async def main() -> None:
-        llm = RecordingLLM()
-        llm.pause_answered.set()
-        worker = Worker(llm)
-        assert (await worker.step(p.Begin("wait"))).ok
-        ack = await worker.step(tensors_load("tensors-a", full=False))
-        assert not ack.ok and ack.message.startswith(f"UnknownLayout: {p.UNKNOWN_LAYOUT} 'tensors-a'")
-        assert llm.calls == ["pause_scheduler:wait"] and not worker.sync.dirty
-        assert (await worker.step(tensors_load("tensors-a", full=True))).ok
-        assert (await worker.step(p.Commit(1))).ok
-        calls = len(llm.calls)
-        assert (await worker.step(p.Begin("wait"))).ok
-        assert (await worker.step(tensors_load("tensors-a", full=False))).ok
-        assert llm.calls[calls:].count("zr_sync") == 1
-        assert not (await worker.step(tensors_load("tensors-b", full=False))).ok
-
-    asyncio.run(main())
 
 
 def test_the_engine_keeps_tensor_layouts_apart_from_bucket_layouts() -> None:
