@@ -12,8 +12,9 @@ silent for ``round_idle_timeout_s`` is aborted and its workers resumed.
 
 States of a round::
 
-    begin ──> data steps (check_names, begin_update, load_shm | load_ipc2 | join_group,
-                          receive_bucket, leave_group, finish_update, lora_bucket, load_lora)
+    begin ──> data steps (check_names, begin_update, load_shm | load_ipc2 | load_ipc_tensors
+                          | join_group, receive_bucket, leave_group, finish_update, lora_bucket,
+                          load_lora)
           ──> commit ──> done
        └───────────── abort (from the trainer, or the trainer lost) ─────────────┘
 
