@@ -140,6 +140,7 @@ class Receiver:
         accelerator copy it to the device in one transfer first."""
         if op.begin:
             self.begin_update(p.BeginUpdate(op.direct), control)
+        self.release_ipc()
         bucket = op.bucket
         with attach_shm(op.shm_name) as shm:
             try:
@@ -237,6 +238,7 @@ class Receiver:
 
         if self.group is None:
             raise RuntimeError("weight sync: receive_bucket before join_group")
+        self.release_ipc()
         nbytes = op.bucket.nbytes
         if self.group.backend == "gloo" and self.device.type != "cpu":
             if self.host_buffer is None or self.host_buffer.numel() < nbytes:
@@ -282,6 +284,15 @@ class Receiver:
             " ".join(f"{k} {v:.2f}" for k, v in self.round_ms.items()),
         )
         return self.num_loaded
+
+    def release_ipc(self) -> None:
+        """Unmap every CUDA IPC buffer and trainer storage (and close their events): a load
+        over another transport names none, and a trainer that switched transports must not
+        keep its old GPU memory pinned here until some later CUDA IPC round."""
+        if len(self.ipc):
+            self.ipc.retain(())
+            if self.direct is not None:
+                self.direct.forget(set())
 
     # -- internals -------------------------------------------------------------------------
     def _add_ms(self, what: str, started: float) -> None:

@@ -168,3 +168,39 @@ def test_the_worker_freezes_its_start_up_heap_after_the_warm_up(monkeypatch: pyt
     finally:
         gc.unfreeze()
     assert seen == ["engine", "warm_up frozen=0", "run frozen=True", "shutdown"]
+
+
+def test_a_load_over_another_transport_unmaps_the_trainers_cuda_ipc_memory() -> None:
+    """A trainer that switched from cuda_ipc(_tensors) to shm must not stay pinned: the
+    worker's first shm load unmaps every CUDA IPC buffer and storage, closes their events and
+    drops the direct loader's plans that read them, then loads the bucket as usual."""
+    import uuid
+    from multiprocessing import shared_memory
+
+    import torch
+
+    from zmq_rollout.workers.bucket_loader import BucketLoader
+
+    class Recording(BucketLoader):
+        def __init__(self) -> None:
+            self.loaded: list[list[float]] = []
+
+        def load(self, bucket: p.Bucket, buffer: torch.Tensor, buffer_key: str | None = None, layout: str = "") -> None:
+            self.loaded.append(buffer[: bucket.nbytes].view(torch.float32).tolist())
+
+    forgotten: list[set[str]] = []
+    receiver = Receiver(model_runner=None, device="cpu")
+    receiver.loader = loader = Recording()
+    receiver.direct = SimpleNamespace(forget=forgotten.append)  # type: ignore[assignment]
+    receiver.ipc._mapped.update({"trainer-storage-1": object(), "trainer-storage-2": object()})  # type: ignore[dict-item]
+    receiver.ipc._events["ready-1"] = object()  # type: ignore[assignment]
+    segment = shared_memory.SharedMemory(create=True, size=64, name=f"zr-test-{uuid.uuid4().hex[:12]}")
+    try:
+        segment.buf[:8] = torch.tensor([1.5, -2.0], dtype=torch.float32).numpy().tobytes()
+        bucket = p.Bucket(0, 8, [p.TensorMeta("w", "float32", [2], 0, 8)])
+        assert receiver.run(p.Control(1, p.LoadShm(segment.name, bucket))) == 1
+    finally:
+        segment.close()
+        segment.unlink()
+    assert loader.loaded == [[1.5, -2.0]]
+    assert len(receiver.ipc) == 0 and not receiver.ipc._events and forgotten == [set()]
