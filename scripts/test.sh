@@ -14,24 +14,30 @@ for arg in "$@"; do
     if [ "$arg" = "--fast" ]; then fast=1; else args+=("$arg"); fi
 done
 
+# Both tiers use a real Prometheus (Debian's package): the unit tier checks the alert rules and
+# the dashboards' PromQL with promtool, the integration tier scrapes the broker with it.
+need_prometheus() {
+    if ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ] && [ "${ZMQ_ROLLOUT_NO_PROMETHEUS:-0}" != 1 ]; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "installing prometheus (Debian package: prometheus, promtool) for the metrics tests"
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+        else
+            echo "tests need the Prometheus binaries: run 'sudo apt-get install -y prometheus'," \
+                 "or set ZMQ_ROLLOUT_NO_PROMETHEUS=1 to skip those tests deliberately" >&2
+            exit 1
+        fi
+    fi
+}
+
 if [ "$fast" = 1 ]; then
     [ -x .venv/bin/python ] || scripts/install.sh
+    need_prometheus
     .venv/bin/ruff check .
     exec .venv/bin/python -m pytest -q tests/unit "${args[@]}"
 fi
 
 scripts/install.sh
-# The integration tier scrapes the broker with a real Prometheus (Debian's package).
-if ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ] && [ "${ZMQ_ROLLOUT_NO_PROMETHEUS:-0}" != 1 ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "installing prometheus (Debian package) for tests/integration/test_prometheus_scrape.py"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
-    else
-        echo "tests need the Prometheus binary: run 'sudo apt-get install -y prometheus'," \
-             "or set ZMQ_ROLLOUT_NO_PROMETHEUS=1 to skip that one test deliberately" >&2
-        exit 1
-    fi
-fi
+need_prometheus
 .venv/bin/ruff check .
 .venv/bin/ruff format --check zmq_rollout broker workers
 .venv/bin/mypy zmq_rollout broker workers
