@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from zmq_rollout import protocol as p
 from zmq_rollout.weight_sync.collective import CollectiveGroup
-from zmq_rollout.weight_sync.cuda_ipc import BucketLayouts, CudaIpcCache
+from zmq_rollout.weight_sync.cuda_ipc import BucketLayouts, CudaIpcCache, stream_wait
 from zmq_rollout.weight_sync.shm import attach_shm
 
 from .bucket_loader import BucketLoader, PlainLoader
@@ -169,10 +169,7 @@ class Receiver:
         if op.begin:
             self.begin_update(p.BeginUpdate(op.direct), control)
         started = time.perf_counter()
-        keep = [*op.live, op.handle.buffer_id]
-        self.ipc.retain(keep)
-        if self.direct is not None:
-            self.direct.forget(set(keep))
+        self._retain({*op.live, op.handle.buffer_id})
         buffer = self.ipc.get(op.handle)
         self.ipc.wait_ready(op.handle, self.device)  # the trainer may still be packing it
         self._add_ms("map", started)
@@ -196,13 +193,10 @@ class Receiver:
             self.begin_update(p.BeginUpdate(op.direct), control)
         started = time.perf_counter()
         ids = tuple(s.handle.buffer_id for s in sources)
-        keep = {*op.live, *ids, op.ready_id}
-        self.ipc.retain(keep)
-        if self.direct is not None:
-            self.direct.forget(keep)
+        self._retain({*op.live, *ids, op.ready_id})
         parts = [(s.bucket, self.ipc.get(s.handle)) for s in sources]  # no per-round view of each
         device = parts[0][1].device if parts else self.device
-        torch_stream_wait(self.ipc.event(op.ready_id, op.ready_event, device), self.device)
+        stream_wait(self.ipc.event(op.ready_id, op.ready_event, device), self.device)
         self._add_ms("map", started)
         loaded = self.load_parts(parts, ids, op.layout)
         started = time.perf_counter()
@@ -290,9 +284,14 @@ class Receiver:
         over another transport names none, and a trainer that switched transports must not
         keep its old GPU memory pinned here until some later CUDA IPC round."""
         if len(self.ipc):
-            self.ipc.retain(())
-            if self.direct is not None:
-                self.direct.forget(set())
+            self._retain(set())
+
+    def _retain(self, keep: set[str]) -> None:
+        """Unmap every CUDA IPC buffer (and close every event) whose id is not in ``keep``, and
+        drop the direct loader's plans that read one."""
+        self.ipc.retain(keep)
+        if self.direct is not None:
+            self.direct.forget(keep)
 
     # -- internals -------------------------------------------------------------------------
     def _add_ms(self, what: str, started: float) -> None:
@@ -329,13 +328,6 @@ class Receiver:
         loaded = sum(len(bucket.tensors) for bucket, _ in parts)
         self.num_loaded += loaded
         return loaded
-
-
-def torch_stream_wait(event: torch.cuda.Event, device: torch.device) -> None:
-    """Make ``device``'s current stream wait (on the GPU) for ``event``."""
-    import torch
-
-    torch.cuda.current_stream(device).wait_event(event)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -314,3 +314,24 @@ def test_the_cuda_ipc_transports_say_they_need_cuda(name: str) -> None:
     shipment = Shipment.plan([("w", torch.zeros(4))], 1 << 20)
     with pytest.raises(InvalidRequestError, match=f"transport='{name}' needs CUDA in the trainer"):
         make_transport(name).prepare(shipment)
+
+
+def test_a_shared_storage_becomes_a_handle_field_by_field() -> None:
+    """``share_storage`` (both CUDA IPC transports) maps torch's ``_share_cuda_`` tuple onto
+    ``CudaIpcHandle``; torch's own export event is replaced by the one given (empty: none)."""
+    from zmq_rollout.weight_sync.cuda_ipc import share_storage
+
+    class Storage:
+        def _share_cuda_(self) -> tuple[Any, ...]:
+            return (0, b"ipc-handle", 4096, 512, b"/torch_refs", 24, b"torch-event", True)
+
+        def nbytes(self) -> int:
+            return 4096
+
+    handle = share_storage(Storage(), "GPU-x", b"ready")
+    assert (handle.device_uuid, handle.nbytes, handle.handle, handle.storage_size, handle.storage_offset) == (
+        "GPU-x", 4096, b"ipc-handle", 4096, 512,
+    )  # fmt: skip
+    assert (handle.ref_counter_handle, handle.ref_counter_offset) == (b"/torch_refs", 24)
+    assert (handle.event_handle, handle.event_sync_required) == (b"ready", False)
+    assert share_storage(Storage(), "GPU-x", b"").buffer_id != handle.buffer_id

@@ -36,8 +36,11 @@ __all__ = [
     "LayoutNames",
     "UnknownLayout",
     "cuda_device_uuid",
+    "exported_event",
     "open_cuda_ipc",
+    "share_storage",
     "step_with_layout",
+    "stream_wait",
 ]
 
 log = logging.getLogger(__name__)
@@ -228,6 +231,42 @@ def cuda_device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def exported_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
+    """A new interprocess CUDA event made on ``device``, and its handle for other processes."""
+    import torch
+
+    event = torch.cuda.Event(interprocess=True)
+    with torch.cuda.device(device):
+        event.record(torch.cuda.current_stream(device))  # created on this device, and exportable
+        return event, bytes(event.ipc_handle())
+
+
+def share_storage(storage: Any, device_uuid: str, event_handle: bytes) -> CudaIpcHandle:
+    """Export ``storage`` (``_share_cuda_``) under a new ``buffer_id``, with ``event_handle``
+    as its ready event (empty for none). Export a storage once: each call wraps it again in
+    torch's cross-process reference counting. Raises torch's RuntimeError where it cannot."""
+    _, handle, storage_size, storage_offset, rc_handle, rc_offset, _ev_handle, _ev_sync = storage._share_cuda_()
+    return CudaIpcHandle(
+        uuid.uuid4().hex,
+        device_uuid,
+        int(storage.nbytes()),
+        bytes(handle),
+        int(storage_size),
+        int(storage_offset),
+        bytes(rc_handle),
+        int(rc_offset),
+        event_handle,
+        False,
+    )
+
+
+def stream_wait(event: torch.cuda.Event, device: torch.device) -> None:
+    """Make ``device``'s current stream wait for ``event`` (on the GPU: the host does not block)."""
+    import torch
+
+    torch.cuda.current_stream(device).wait_event(event)
+
+
 class CudaIpcBuffers:
     """``n`` GPU buffers of ``size`` bytes, each exported once; the trainer keeps them across rounds.
 
@@ -257,36 +296,19 @@ class CudaIpcBuffers:
         self.handles: list[CudaIpcHandle] = []
         for _ in range(n):
             tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
-            ready = torch.cuda.Event(interprocess=True)
-            with torch.cuda.device(self.device):
-                ready.record(torch.cuda.current_stream(self.device))  # created on this device, and exportable
-                ready_handle = bytes(ready.ipc_handle())
+            # torch's own event (recorded once, at export) is superseded by ``ready``, which
+            # every pack records again: a worker waits for it before each read.
+            ready, ready_handle = exported_event(self.device)
             try:
-                shared = tensor.untyped_storage()._share_cuda_()
+                handle = share_storage(tensor.untyped_storage(), uuid_, ready_handle)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"could not export a CUDA buffer for IPC ({e}); CUDA IPC does not work with "
                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: unset it in the trainer, or use transport='shm'"
                 ) from e
-            _, handle, storage_size, storage_offset, rc_handle, rc_offset, _ev_handle, _ev_sync = shared
-            # torch's own event (recorded once, at export) is superseded by ``ready``, which
-            # every pack records again: a worker waits for it before each read.
             self._tensors.append(tensor)
             self._events.append(ready)
-            self.handles.append(
-                CudaIpcHandle(
-                    uuid.uuid4().hex,
-                    uuid_,
-                    size,
-                    bytes(handle),
-                    int(storage_size),
-                    int(storage_offset),
-                    bytes(rc_handle),
-                    int(rc_offset),
-                    ready_handle,
-                    False,
-                )
-            )
+            self.handles.append(handle)
 
     def tensor(self, i: int) -> torch.Tensor:
         return self._tensors[i]
@@ -380,9 +402,7 @@ class CudaIpcCache:
         buffer is done (a GPU-side wait: the host does not block)."""
         event = self.ready_event(handle)
         if event is not None:
-            import torch
-
-            torch.cuda.current_stream(device).wait_event(event)
+            stream_wait(event, device)
 
     def get(self, handle: CudaIpcHandle) -> torch.Tensor:
         tensor = self._mapped.get(handle.buffer_id)

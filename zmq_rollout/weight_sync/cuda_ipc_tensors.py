@@ -29,7 +29,7 @@ from zmq_rollout import protocol as p
 from zmq_rollout.errors import InvalidRequestError
 
 from .buckets import dtype_name
-from .cuda_ipc import LayoutNames, cuda_device_uuid, step_with_layout
+from .cuda_ipc import LayoutNames, cuda_device_uuid, exported_event, share_storage, step_with_layout
 from .transport import Shipment, WeightTransport
 
 if TYPE_CHECKING:
@@ -68,7 +68,6 @@ class CudaIpcTensorsTransport(WeightTransport):
         self._ready_id = ""
         self._ready_handle = b""
         self._device: Any = None
-        self._rounds = 0
 
     def prepare(self, shipment: Shipment) -> None:
         """Export the storages not exported yet (a round whose tensors are where they were
@@ -83,7 +82,6 @@ class CudaIpcTensorsTransport(WeightTransport):
         if signature != self._signature:
             self._sources = self._plan(tensors)
             self._signature = signature
-        self._rounds += 1
         self._ready.record(torch.cuda.current_stream(self._device))
 
     def _plan(self, tensors: dict[str, torch.Tensor]) -> list[p.IpcSource]:
@@ -122,56 +120,35 @@ class CudaIpcTensorsTransport(WeightTransport):
                     )
                 )
             sources.append(p.IpcSource(export.handle, p.Bucket(i, export.handle.nbytes, metas)))
-        self.exports = exports
-        self.num_exported += new
-        if new and self._rounds:
+        if new and self.num_exported:  # not the first round: tensors moved
             log.warning(
                 "weight sync: %d of %d storages were new this round, each exported anew: with tensors that are "
                 "new every round (a dtype conversion, a gathered shard) use transport='cuda_ipc'",
                 new,
                 len(exports),
             )
+        self.exports = exports
+        self.num_exported += new
         return sources
 
     def _export(self, tensor: torch.Tensor, device: torch.device) -> _Export:
         import torch
 
-        storage = tensor.untyped_storage()
+        index = device.index if device.index is not None else torch.cuda.current_device()
         try:
-            shared = storage._share_cuda_()
+            handle = share_storage(tensor.untyped_storage(), cuda_device_uuid(index), b"")
         except RuntimeError as e:
             raise InvalidRequestError(
                 f"could not export the trainer's tensor for CUDA IPC ({e}); this does not work with "
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True nor for a tensor received from another process: "
                 "use transport='cuda_ipc' or 'shm'"
             ) from e
-        _, handle, storage_size, storage_offset, rc_handle, rc_offset, _ev_handle, _ev_sync = shared
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _Export(
-            p.CudaIpcHandle(
-                uuid.uuid4().hex,
-                cuda_device_uuid(index),
-                int(storage.nbytes()),
-                bytes(handle),
-                int(storage_size),
-                int(storage_offset),
-                bytes(rc_handle),
-                int(rc_offset),
-                b"",
-                False,
-            ),
-            tensor,
-        )
+        return _Export(handle, tensor)
 
     def _open_event(self, device: torch.device) -> None:
         """The ready event, made on ``device`` and exported once."""
-        import torch
-
-        ready = torch.cuda.Event(interprocess=True)
-        with torch.cuda.device(device):
-            ready.record(torch.cuda.current_stream(device))  # created on this device, and exportable
-            self._ready_handle = bytes(ready.ipc_handle())
-        self._ready, self._device, self._ready_id = ready, device, uuid.uuid4().hex
+        self._ready, self._ready_handle = exported_event(device)
+        self._device, self._ready_id = device, uuid.uuid4().hex
 
     async def send(self, rnd: SyncRound, shipment: Shipment) -> None:
         sources = self._sources
