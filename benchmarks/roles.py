@@ -496,7 +496,7 @@ def echo_double_fleet(
     per double would spend the cores on thread switches). Each announces ``credits`` in READY
     and heartbeats every ``heartbeat_s`` (the real worker's ``WorkerConfig.heartbeat_interval_s``).
     A DISCONNECT from the broker (it purged the double, taken for dead) is counted and answered
-    with a fresh READY. ``counts``: a shared array of 3 x ``threads`` integers, per thread the
+    with a fresh READY. ``counts``: a shared array of ``FLEET_COUNTS`` x ``threads`` integers, per thread the
     jobs answered, the JOBS messages they came in, the purges and the broker's HEARTBEATs, for the parent to read at any
     time (``FLEET_COUNTS`` per thread). On SIGTERM: DISCONNECT from each, then ``done``: {"jobs", "purged"}."""
     ctx = _many_sockets(num)
