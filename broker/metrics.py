@@ -88,6 +88,16 @@ class SchedulerCollector:
             "Seconds the broker polled without sleeping after busy passes (busy_poll_us): its CPU cost of latency.",
             value=stats.busy_poll_s,
         )
+        yield GaugeMetricFamily(
+            "zmq_rollout_broker_busy_ratio",
+            "Share of the last heartbeat interval the broker spent on its own work (not waiting or busy polling).",
+            value=stats.busy,
+        )
+        yield GaugeMetricFamily(
+            "zmq_rollout_broker_packing",
+            "1 while the broker is busy and packs jobs onto fewer workers (pack_step); 0: least loaded first.",
+            value=int(stats.packing),
+        )
         yield _histogram("zmq_rollout_job_latency_seconds", "Submit to final result, per job.", stats.job_latency)
         yield _histogram("zmq_rollout_queue_wait_seconds", "Submit to dispatch, per job attempt.", stats.queue_wait)
         depth = GaugeMetricFamily("zmq_rollout_queue_depth", "Queued jobs per client.", labels=["client"])

@@ -40,11 +40,16 @@ Heap = list[tuple[float, int, WorkerId, WorkerState]]
 """Workers with free credits, in dispatch order (``_entry``)."""
 
 
-def _entry(w: WorkerState) -> tuple[float, int, WorkerId, WorkerState]:
-    """A worker's place on the dispatch heap: least loaded first; between equals, the one whose
-    last job is oldest (jobs that each finish before the next comes spread over the fleet
-    instead of all going to the same worker)."""
-    return (w.load(), w.last_pick, w.identity, w)
+def _entry(w: WorkerState, step: int) -> tuple[float, int, WorkerId, WorkerState]:
+    """A worker's place on the dispatch heap. Least loaded first (``step`` 1); between equals,
+    the one whose last job is oldest (jobs that each finish before the next comes spread over
+    the fleet instead of all going to the same worker). Packing (``step`` > 1, ``packing.py``):
+    fewest whole steps of credits in use first; between equals, the one picked last, so a
+    worker takes a step's worth of jobs before the next gets any. ``_pick`` compares an entry
+    with this to tell a stale one."""
+    if step == 1:
+        return (w.credits_used / w.credits if w.credits else 1.0, w.last_pick, w.identity, w)
+    return (w.credits_used // step, -w.last_pick, w.identity, w)
 
 
 MAX_REMEMBERED = 100_000  # answered job ids kept per client for resubmissions (see ClientState.finished)
@@ -70,6 +75,9 @@ class Scheduler:
         come, go or change credits or ``accepting``, on every ``tick``, and when stale entries
         outnumber twice the workers. Dispatching one job costs O(log workers), not O(workers)."""
         self._rebuild = True
+        self.pack_step = 1
+        """Dispatch's step (``_entry``): 1 least loaded first; more while the socket loop packs
+        (``set_pack_step``, ``packing.py``)."""
         self.affinity = Affinity(self.config, self.stats.sessions)
 
     @property
@@ -192,6 +200,12 @@ class Scheduler:
         """Which workers may take jobs, or their credits, changed: rebuild the dispatch heap."""
         self._rebuild = True
 
+    def set_pack_step(self, step: int) -> None:
+        """Dispatch least loaded first (1) or packed in steps of ``step`` credits from now on."""
+        if step != self.pack_step:
+            self.pack_step = step
+            self._rebuild = True
+
     def _offer(self, w: WorkerState) -> None:
         """``w``'s load changed: its new place on the dispatch heap, if it may take a job (the
         old entry goes stale). Stale entries are bounded: past twice the workers, the heap is
@@ -202,13 +216,18 @@ class Scheduler:
                 heap.clear()
                 self._rebuild = True
             else:
-                heapq.heappush(heap, (w.credits_used / w.credits, w.last_pick, w.identity, w))
+                step = self.pack_step
+                if step == 1:  # _entry, inline for the usual case
+                    heapq.heappush(heap, (w.credits_used / w.credits, w.last_pick, w.identity, w))
+                else:
+                    heapq.heappush(heap, (w.credits_used // step, -w.last_pick, w.identity, w))
 
     def _dispatch_heap(self) -> Heap:
         """The dispatch heap, rebuilt from the workers first if something rare changed."""
         if self._rebuild:
             self._rebuild = False
-            self._heap = [_entry(w) for w in self.workers.values() if w.accepting and w.credits_free > 0]
+            step = self.pack_step
+            self._heap = [_entry(w, step) for w in self.workers.values() if w.accepting and w.credits_free > 0]
             heapq.heapify(self._heap)
         return self._heap
 
@@ -569,19 +588,24 @@ class Scheduler:
             queue.popleft()
         return queue[0] if queue else None
 
-    @staticmethod
-    def _pick(heap: Heap, job: Job) -> WorkerState | None:
-        """Pop the least loaded worker that can take ``job`` (its entry is used up: ``_assign``
-        offers it anew); entries of workers that cannot take it now go back on the heap, and
-        stale ones (the worker's load, last job or ``accepting`` changed since) are dropped:
-        the worker's current entry is on the heap too, if it may take a job."""
+    def _pick(self, heap: Heap, job: Job) -> WorkerState | None:
+        """Pop the first worker in dispatch order (``_entry``) that can take ``job`` (its entry
+        is used up: ``_assign`` offers it anew); entries of workers that cannot take it now go
+        back on the heap, and stale ones (the worker's load, last job or ``accepting`` changed
+        since) are dropped: the worker's current entry is on the heap too, if it may take a job."""
         skipped = []
         found = None
+        step = self.pack_step
         while heap:
             entry = heapq.heappop(heap)
             w = entry[3]
             used, credits = w.credits_used, w.credits
-            if used >= credits or not w.accepting or entry[1] != w.last_pick or entry[0] != used / credits:
+            if used >= credits or not w.accepting:
+                continue
+            if step == 1:
+                if entry[1] != w.last_pick or entry[0] != used / credits:
+                    continue
+            elif entry[1] != -w.last_pick or entry[0] != used // step:
                 continue
             if (job.cost <= credits - used or used == 0) and w.weight_version >= job.spec.min_weight_version:
                 found = w

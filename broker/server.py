@@ -35,6 +35,7 @@ from zmq_rollout.errors import ConfigError, ProtocolError
 
 from .busy_poll import BusyPoll, IdleCores
 from .outbox import CLIENT, WORKER
+from .packing import Packing
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class Broker:
         self._from_client = codec.Decoder(codec.BROKER_FROM_CLIENT)
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
+        self._packing = Packing(self.config.pack_step)
         self._metrics_server: Any = None
         if self.config.metrics_port is not None:
             from .metrics import serve_metrics
@@ -238,17 +240,27 @@ class Broker:
                     if monitor in ready:
                         self._read_handshakes(monitor, now)
                 if now >= next_tick:
-                    self.scheduler.tick(now)
+                    self.tick(now)
                     next_tick = now + interval
                     if spin is not None:
                         spin.spare(idle.sample(now, self.scheduler.stats.busy_poll_s))
                 self.scheduler.wake(now)
                 self._flush(now)
+                self._packing.worked(time.monotonic() - now)  # this pass's work, its polling apart
         finally:
             self._close()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def tick(self, now: float) -> None:
+        """Once per heartbeat interval: the scheduler's expiry and heartbeats, and whether to
+        pack jobs in the next interval (``packing.py``)."""
+        self.scheduler.tick(now)
+        step = self._packing.review(now)
+        self.scheduler.set_pack_step(step)
+        stats = self.scheduler.stats
+        stats.busy, stats.packing = self._packing.busy, self._packing.packing
 
     def busy_poll_s(self) -> float:
         """Seconds to poll without sleeping after a busy pass (``BrokerConfig.busy_poll_us``; by

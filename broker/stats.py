@@ -151,6 +151,10 @@ class BrokerStats:
     workers_expired: int = 0
     busy_poll_s: float = 0.0
     """CPU seconds the socket loop spent polling without sleeping (``BrokerConfig.busy_poll_us``)."""
+    busy: float = 0.0
+    """Share of the last heartbeat interval the socket loop spent on its work (``packing.py``)."""
+    packing: bool = False
+    """Whether dispatch packs jobs (the broker is busy) or gives each to the least loaded worker."""
     malformed: dict[str, int] = field(default_factory=dict)  # by reason
     auth_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # by (port, reason), with CurveZMQ
     job_latency: Histogram = field(default_factory=Histogram)

@@ -714,9 +714,9 @@ def test_the_dispatch_heap_is_kept_between_passes_and_stays_bounded(monkeypatch:
     built = Counter[str]()
     entry = module._entry
 
-    def counted(w: Any) -> Any:
+    def counted(w: Any, step: int) -> Any:
         built["entries"] += 1
-        return entry(w)
+        return entry(w, step)
 
     monkeypatch.setattr(module, "_entry", counted)
     s = make()
@@ -748,3 +748,78 @@ def test_stale_heap_entries_never_send_a_job_to_a_full_or_paused_worker() -> Non
     finish(s, W2, assigned(sent, W2), now=0.2)  # W2's two credits free up
     got = s.outbox.take()
     assert assigned_ids(got, W2) == ["b0", "b1"] and assigned_ids(got, W1) == []
+
+
+# -- packing (packing.py): while the broker is the bottleneck -----------------------------------
+def test_packing_fills_a_worker_by_a_step_before_the_next_gets_any() -> None:
+    """Least loaded first would give four workers two jobs each; packed in steps of 4, two
+    workers take four each and the others none: two JOBS instead of four, and two FINALs."""
+    s = make()
+    workers = [f"w{i}".encode() for i in range(4)]
+    for w in workers:
+        ready(s, w, 8)
+    s.set_pack_step(4)
+    s.submit(A, jobs("a", 8), now=0.0)
+    sent = s.outbox.take()
+    sizes = sorted(len(assigned(sent, w)) for w in workers)
+    assert sizes == [0, 0, 4, 4]
+    s.submit(A, jobs("b", 4), now=0.1)  # the loaded ones have a whole step in use: an idle one next
+    got = s.outbox.take()
+    assert sorted(len(assigned(got, w)) for w in workers) == [0, 0, 0, 4]
+    assert all(s.workers[w].credits_used <= 8 for w in workers)
+
+
+def test_packing_never_overruns_credits_and_keeps_clients_fair() -> None:
+    s = make()
+    ready(s, W1, 3)
+    ready(s, W2, 3)
+    s.set_pack_step(16)  # a step above the credits: each worker fills up, the next takes the rest
+    s.defer_dispatch = True  # as the socket loop: one dispatch pass after both submissions
+    s.submit(A, jobs("a", 6), now=0.0)
+    s.submit(B, jobs("b", 6), now=0.0)
+    s.flush_dispatch(0.0)
+    sent = s.outbox.take()
+    ids = assigned_ids(sent, W1) + assigned_ids(sent, W2)
+    assert len(ids) == 6 and s.workers[W1].credits_used == s.workers[W2].credits_used == 3
+    assert sum(i.startswith("a") for i in ids) == 3  # turns alternate between the two clients
+    assert s.num_queued == 6
+
+
+def test_switching_between_spreading_and_packing_keeps_every_job_and_credit() -> None:
+    """The heap is rebuilt on each switch; entries pushed under the old step are never taken
+    for current ones, so no job goes to a full worker and none is lost."""
+    s = make()
+    workers = [f"w{i}".encode() for i in range(3)]
+    for w in workers:
+        ready(s, w, 4)
+    running: dict[bytes, list[p.Assignment]] = {w: [] for w in workers}
+
+    def collect() -> None:
+        sent = s.outbox.take()
+        for w in workers:
+            running[w] += assigned(sent, w)
+            assert s.workers[w].credits_used == sum(a.job.sampling.n for a in running[w]) <= 4
+        assert s.num_queued == 0 or all(s.workers[w].credits_free == 0 for w in workers)  # no job waits beside a credit
+
+    for k in range(40):
+        s.set_pack_step(1 if k % 3 else 4)
+        s.submit(A, jobs(f"j{k}-", 2), now=float(k))
+        collect()
+        done = workers[k % 3]  # one worker finishes all it holds; the queue refills it
+        finish(s, done, running[done], now=k + 0.5)
+        running[done] = []
+        collect()
+    in_flight = sum(map(len, running.values()))
+    assert s.stats.submitted == 80 and s.stats.completed + in_flight + s.num_queued == 80
+    assert s.stats.completed > 40
+
+
+def test_spreading_again_after_packing() -> None:
+    s = make()
+    ready(s, W1, 8)
+    ready(s, W2, 8)
+    s.set_pack_step(4)
+    s.set_pack_step(1)
+    s.submit(A, jobs("a", 4), now=0.0)
+    sent = s.outbox.take()
+    assert len(assigned(sent, W1)) == len(assigned(sent, W2)) == 2

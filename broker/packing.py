@@ -1,0 +1,77 @@
+"""How the broker spreads jobs: least loaded first, or packed while the broker is the bottleneck.
+
+Least loaded first gives each job to the worker with the smallest share of its credits in
+use. That is right for engines while the broker has time to spare: every engine gets work as
+soon as any waits. But with few jobs in flight per worker (a large fleet, or clients that
+keep short windows) it sends each job in its own JOBS and gets each back in its own FINAL: a
+job costs three messages instead of about one (``benchmarks/README.md``, goal 4), and the
+broker's CPU, not the engines, sets the pace.
+
+So the socket loop measures how much of each heartbeat interval the broker spent on its own
+work (reading, scheduling, sending; not waiting or busy polling). Once that share reaches
+``PACK_ABOVE``, dispatch **packs**: a worker takes up to ``pack_step`` more credits of work
+before the next one gets any (the workers with the fewest steps of load first; between
+equals, the one picked last). Jobs then travel to a worker and back in blocks. Once the share
+falls below ``SPREAD_BELOW``, dispatch spreads again. The gap between the two keeps it from
+switching with every interval: packing itself lowers the broker's load.
+
+Pure: the loop reports seconds of work and asks at each tick (tests/unit/test_packing.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+PACK_ABOVE = 0.5
+"""Share of an interval the broker spent working from which it packs."""
+SPREAD_BELOW = 0.25
+"""Share of an interval below which a packing broker spreads again."""
+SPREAD = 1
+"""The step of least loaded first: every credit of load counts."""
+
+
+class Packing:
+    """The dispatch step for the next interval, from the broker's work in the last.
+
+    ``pack_step``: credits a worker takes before the next gets any while packing
+    (``BrokerConfig.pack_step``; 1 never packs)."""
+
+    def __init__(self, pack_step: int) -> None:
+        self.pack_step = pack_step
+        self.packing = False
+        self.busy = 0.0
+        """The share of the last reviewed interval the broker spent on its work (0..1)."""
+        self._work_s = 0.0
+        self._since: float | None = None
+
+    def worked(self, seconds: float) -> None:
+        """The broker spent ``seconds`` on one pass's work."""
+        self._work_s += seconds
+
+    def review(self, now: float) -> int:
+        """End the interval that started at the last review: the step to dispatch with now
+        (``SPREAD``, or ``pack_step`` while packing)."""
+        since, self._since = self._since, now
+        work, self._work_s = self._work_s, 0.0
+        if since is None or now <= since:
+            return self.step
+        self.busy = min(1.0, work / (now - since))
+        if self.pack_step > SPREAD:
+            if not self.packing and self.busy >= PACK_ABOVE:
+                self.packing = True
+                log.info(
+                    "broker busy %.0f%% of the last %.1f s: packing jobs, up to %d credits a worker before the next",
+                    100 * self.busy,
+                    now - since,
+                    self.pack_step,
+                )
+            elif self.packing and self.busy < SPREAD_BELOW:
+                self.packing = False
+                log.info("broker busy %.0f%%: least loaded first again", 100 * self.busy)
+        return self.step
+
+    @property
+    def step(self) -> int:
+        return self.pack_step if self.packing else SPREAD

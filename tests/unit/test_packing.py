@@ -1,0 +1,69 @@
+"""The broker packs jobs while it is the bottleneck and spreads them otherwise (broker/packing.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from zmq_rollout.broker.packing import PACK_ABOVE, SPREAD, SPREAD_BELOW, Packing
+from zmq_rollout.broker.server import Broker
+from zmq_rollout.config import BrokerConfig
+
+
+def interval(packing: Packing, start: float, busy: float) -> int:
+    """One second in which the broker worked ``busy`` of the time, in two passes; the step after it."""
+    packing.worked(busy / 2)
+    packing.worked(busy / 2)
+    return packing.review(start + 1.0)
+
+
+def test_packs_from_half_busy_and_spreads_again_below_a_quarter(caplog: pytest.LogCaptureFixture) -> None:
+    packing = Packing(16)
+    assert packing.review(0.0) == SPREAD  # the first review only starts an interval
+    assert interval(packing, 0.0, PACK_ABOVE - 0.125) == SPREAD
+    with caplog.at_level(logging.INFO, "zmq_rollout.broker.packing"):
+        assert interval(packing, 1.0, PACK_ABOVE) == 16
+    assert "packing jobs, up to 16 credits" in caplog.text
+    assert packing.busy == pytest.approx(PACK_ABOVE)
+    # Packing lowers the broker's load: between the thresholds it keeps packing, no flapping.
+    assert interval(packing, 2.0, (PACK_ABOVE + SPREAD_BELOW) / 2) == 16
+    assert interval(packing, 3.0, SPREAD_BELOW) == 16
+    assert interval(packing, 4.0, SPREAD_BELOW - 0.125) == SPREAD
+    assert not packing.packing
+
+
+def test_busy_is_the_share_of_the_elapsed_interval() -> None:
+    packing = Packing(16)
+    packing.review(10.0)
+    packing.worked(1.5)
+    assert packing.review(14.0) == SPREAD  # 1.5 s of work in a 4 s interval (a late tick)
+    assert packing.busy == 0.375
+    packing.worked(2.0)
+    assert packing.review(18.0) == 16 and packing.busy == 0.5
+
+
+def test_pack_step_1_never_packs() -> None:
+    packing = Packing(1)
+    packing.review(0.0)
+    assert interval(packing, 0.0, 1.0) == SPREAD
+    assert packing.busy == 1.0 and not packing.packing
+
+
+def test_pack_step_is_checked() -> None:
+    with pytest.raises(ValueError, match="pack_step"):
+        BrokerConfig(pack_step=0)
+
+
+def test_the_broker_tick_sets_the_schedulers_step_and_its_gauges() -> None:
+    broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", pack_step=8))
+    try:
+        broker.tick(100.0)
+        broker._packing.worked(0.9)
+        broker.tick(101.0)
+        assert broker.scheduler.pack_step == 8
+        assert broker.scheduler.stats.packing and broker.scheduler.stats.busy == pytest.approx(0.9)
+        broker.tick(102.0)  # a second without work
+        assert broker.scheduler.pack_step == 1 and not broker.scheduler.stats.packing
+    finally:
+        broker._release()
