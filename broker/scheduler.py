@@ -17,7 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 from collections import deque
@@ -28,6 +27,7 @@ from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
 
 from .affinity import Affinity, Held, fits
+from .dispatch_heap import DispatchHeap, Heap
 from .outbox import CLIENT, WORKER, Outbox
 from .staleness import observe_crossing, oldest_version
 from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
@@ -35,22 +35,6 @@ from .stats import BrokerStats
 from .sync import SyncCoordinator
 
 log = logging.getLogger(__name__)
-
-Heap = list[tuple[float, int, WorkerId, WorkerState]]
-"""Workers with free credits, in dispatch order (``_entry``)."""
-
-
-def _entry(w: WorkerState, step: int) -> tuple[float, int, WorkerId, WorkerState]:
-    """A worker's place on the dispatch heap. Least loaded first (``step`` 1); between equals,
-    the one whose last job is oldest (jobs that each finish before the next comes spread over
-    the fleet instead of all going to the same worker). Packing (``step`` > 1, ``packing.py``):
-    fewest whole steps of credits in use first; between equals, the one picked last, so a
-    worker takes a step's worth of jobs before the next gets any. ``_pick`` compares an entry
-    with this to tell a stale one."""
-    if step == 1:
-        return (w.credits_used / w.credits if w.credits else 1.0, w.last_pick, w.identity, w)
-    return (w.credits_used // step, -w.last_pick, w.identity, w)
-
 
 MAX_REMEMBERED = 100_000  # answered job ids kept per client for resubmissions (see ClientState.finished)
 
@@ -68,16 +52,8 @@ class Scheduler:
         self.defer_dispatch = False
         self.dispatch_pending = False
         self.sync = SyncCoordinator(self, self.config.round_idle_timeout_s)
-        self._heap: Heap = []
-        """Workers that may take jobs, least loaded first (``_entry``), kept between passes: an
-        entry is pushed when a worker's load changes (``_offer``) and checked when popped
-        (its key must be the worker's current one); rebuilt whole (``_rebuild``) when workers
-        come, go or change credits or ``accepting``, on every ``tick``, and when stale entries
-        outnumber twice the workers. Dispatching one job costs O(log workers), not O(workers)."""
-        self._rebuild = True
-        self.pack_step = 1
-        """Dispatch's step (``_entry``): 1 least loaded first; more while the socket loop packs
-        (``set_pack_step``, ``packing.py``)."""
+        self._heap = DispatchHeap()
+        """Workers that may take jobs, in dispatch order (``dispatch_heap.py``)."""
         self.affinity = Affinity(self.config, self.stats.sessions)
 
     @property
@@ -198,41 +174,23 @@ class Scheduler:
     # -- workers ---------------------------------------------------------------------------
     def workers_changed(self) -> None:
         """Which workers may take jobs, or their credits, changed: rebuild the dispatch heap."""
-        self._rebuild = True
+        self._heap.invalidate()
+
+    @property
+    def pack_step(self) -> int:
+        """Dispatch's step: 1 least loaded first; more while the socket loop packs (``packing.py``)."""
+        return self._heap.step
 
     def set_pack_step(self, step: int) -> None:
         """Dispatch least loaded first (1) or packed in steps of ``step`` credits from now on."""
-        if step != self.pack_step:
-            self.pack_step = step
-            self._rebuild = True
+        self._heap.set_step(step)
 
     def _offer(self, w: WorkerState) -> None:
-        """``w``'s load changed: its new place on the dispatch heap, if it may take a job (the
-        old entry goes stale). Stale entries are bounded: past twice the workers, the heap is
-        dropped and rebuilt at the next dispatch."""
-        if w.accepting and w.credits_used < w.credits:
-            heap = self._heap
-            if len(heap) > 2 * len(self.workers) + 64:
-                heap.clear()
-                self._rebuild = True
-            else:
-                step = self.pack_step
-                if step == 1:  # _entry, inline for the usual case
-                    heapq.heappush(heap, (w.credits_used / w.credits, w.last_pick, w.identity, w))
-                else:
-                    heapq.heappush(heap, (w.credits_used // step, -w.last_pick, w.identity, w))
-
-    def _dispatch_heap(self) -> Heap:
-        """The dispatch heap, rebuilt from the workers first if something rare changed."""
-        if self._rebuild:
-            self._rebuild = False
-            step = self.pack_step
-            self._heap = [_entry(w, step) for w in self.workers.values() if w.accepting and w.credits_free > 0]
-            heapq.heapify(self._heap)
-        return self._heap
+        """``w``'s load changed: its new place on the dispatch heap, if it may take a job."""
+        self._heap.offer(w, len(self.workers))
 
     def worker_ready(self, identity: WorkerId, info: p.WorkerInfo, now: float) -> None:
-        self._rebuild = True
+        self._heap.invalidate()
         worker = self.workers.get(identity)
         if worker is None:
             worker = self.workers[identity] = WorkerState(
@@ -269,7 +227,7 @@ class Scheduler:
         worker = self.worker_seen(identity, now)
         if worker is not None:
             worker.credits = max(0, credits)
-            self._rebuild = True
+            self._heap.invalidate()
             self.dispatch_soon(now)
 
     def worker_partial(self, identity: WorkerId, deltas: list[p.DeltaRelay], now: float) -> None:
@@ -414,7 +372,7 @@ class Scheduler:
         worker = self.workers.pop(identity, None)
         if worker is None:
             return
-        self._rebuild = True
+        self._heap.invalidate()
         self.sync.forget(identity, reason, now)
         self._unhold(self.affinity.worker_gone(identity))  # its sessions' turns go anywhere
         requeued = failed = 0
@@ -472,7 +430,7 @@ class Scheduler:
             if client.finished is not None and now - client.since > cfg.client_expiry_s:
                 client.finished = None  # past the time a resubmission comes in
         self.sync.tick(now)
-        self._rebuild = True  # a safety net: whatever changed unseen is seen within a tick
+        self._heap.invalidate()  # a safety net: whatever changed unseen is seen within a tick
         self.affinity.expire(now)
         self.stats.forget_gone_workers(now)
         quiet_since = now - cfg.heartbeat_interval_s
@@ -519,11 +477,11 @@ class Scheduler:
         self._unhold(self.affinity.release_due(now))
         if not self._waiting:
             return
-        heap = self._dispatch_heap()
+        heap = self._heap.current(self.workers.values())
         blocked: list[ClientState] = []
         waiting = self._waiting
         held = self.affinity.held_clients
-        pick = self._pick
+        pick = self._heap.pick
         jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
         submitted: dict[float, int] = {}  # jobs dispatched per submission time (one queue wait each)
         while waiting and heap:
@@ -570,7 +528,7 @@ class Scheduler:
                 if aff.hold(cid, job, target.identity, now):
                     client.queue.popleft()
                     continue
-            worker = self._pick(heap, job)
+            worker = self._heap.pick(heap, job)
             if worker is None:
                 return None
             return self._dequeue(client, client.queue.popleft()), worker
@@ -587,33 +545,6 @@ class Scheduler:
         while queue and queue[0].cancelled:
             queue.popleft()
         return queue[0] if queue else None
-
-    def _pick(self, heap: Heap, job: Job) -> WorkerState | None:
-        """Pop the first worker in dispatch order (``_entry``) that can take ``job`` (its entry
-        is used up: ``_assign`` offers it anew); entries of workers that cannot take it now go
-        back on the heap, and stale ones (the worker's load, last job or ``accepting`` changed
-        since) are dropped: the worker's current entry is on the heap too, if it may take a job."""
-        skipped = []
-        found = None
-        step = self.pack_step
-        while heap:
-            entry = heapq.heappop(heap)
-            w = entry[3]
-            used, credits = w.credits_used, w.credits
-            if used >= credits or not w.accepting:
-                continue
-            if step == 1:
-                if entry[1] != w.last_pick or entry[0] != used / credits:
-                    continue
-            elif entry[1] != -w.last_pick or entry[0] != used // step:
-                continue
-            if (job.cost <= credits - used or used == 0) and w.weight_version >= job.spec.min_weight_version:
-                found = w
-                break
-            skipped.append(entry)
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return found
 
     def _assign(
         self, worker: WorkerState, client: ClientState, job: Job, now: float, jobs_to: dict[WorkerId, list[Any]]

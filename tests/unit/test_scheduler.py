@@ -709,16 +709,16 @@ def test_the_dispatch_heap_is_kept_between_passes_and_stays_bounded(monkeypatch:
     """Dispatch does not rebuild its heap of workers per pass (that cost O(workers) a message:
     277 us per one-job SUBMIT with 1,024 workers); entries pushed as loads change go stale and
     are dropped, and the heap never holds more than about twice the workers."""
-    from zmq_rollout.broker import scheduler as module
+    from zmq_rollout.broker import dispatch_heap as module
 
     built = Counter[str]()
-    entry = module._entry
+    entry = module.entry
 
     def counted(w: Any, step: int) -> Any:
         built["entries"] += 1
         return entry(w, step)
 
-    monkeypatch.setattr(module, "_entry", counted)
+    monkeypatch.setattr(module, "entry", counted)
     s = make()
     workers = 50
     for i in range(workers):
@@ -728,7 +728,7 @@ def test_the_dispatch_heap_is_kept_between_passes_and_stays_bounded(monkeypatch:
         s.submit(A, [job(f"j{k}")], now=1.0 + k)
         ((to, assignments),) = [(i, b) for side, i, c, b in s.outbox.take() if side == WORKER and c == p.JOBS]
         finish(s, to, assignments, now=1.5 + k)
-        assert len(s._heap) <= 2 * workers + 65
+        assert len(s._heap.entries) <= 2 * workers + 65
     assert s.stats.completed == passes
     assert built["entries"] <= 4 * passes  # a rebuild per pass would be 50 per pass
 

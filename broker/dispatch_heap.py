@@ -1,0 +1,102 @@
+"""The workers that may take jobs, in the order dispatch tries them.
+
+Kept between dispatch passes: an entry is pushed when a worker's load changes (``offer``) and
+checked when popped (its key must be the worker's current one, ``entry``); the heap is
+rebuilt whole (``invalidate``) when workers come, go or change credits or ``accepting``, when
+the order's step changes, on every tick, and when stale entries outnumber twice the workers.
+Dispatching one job costs O(log workers), not O(workers).
+
+Two orders (``step``): least loaded first (1), and packed in steps of credits while the
+broker is busy (``packing.py``). Pure, as the scheduler that owns it (tests/unit/test_scheduler.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from .state import Job, WorkerId, WorkerState
+
+Entry = tuple[float, int, WorkerId, WorkerState]
+Heap = list[Entry]
+"""Workers with free credits, in dispatch order (``entry``)."""
+
+
+def entry(w: WorkerState, step: int) -> Entry:
+    """A worker's place on the dispatch heap. Least loaded first (``step`` 1); between equals,
+    the one whose last job is oldest (jobs that each finish before the next comes spread over
+    the fleet instead of all going to the same worker). Packing (``step`` > 1): fewest whole
+    steps of credits in use first; between equals, the one picked last, so a worker takes a
+    step's worth of jobs before the next gets any. ``pick`` compares an entry with this to
+    tell a stale one."""
+    if step == 1:
+        return (w.credits_used / w.credits if w.credits else 1.0, w.last_pick, w.identity, w)
+    return (w.credits_used // step, -w.last_pick, w.identity, w)
+
+
+class DispatchHeap:
+    def __init__(self) -> None:
+        self.entries: Heap = []
+        self.step = 1
+        """1: least loaded first; more while the broker packs (``set_step``)."""
+        self._stale = True
+
+    def invalidate(self) -> None:
+        """Which workers may take jobs, or their credits, changed: rebuild before the next pick."""
+        self._stale = True
+
+    def set_step(self, step: int) -> None:
+        """Order least loaded first (1) or packed in steps of ``step`` credits from now on."""
+        if step != self.step:
+            self.step = step
+            self._stale = True
+
+    def offer(self, w: WorkerState, num_workers: int) -> None:
+        """``w``'s load changed: its new place, if it may take a job (the old entry goes
+        stale). Past twice ``num_workers`` entries the heap is dropped and rebuilt at the next
+        dispatch."""
+        if w.accepting and w.credits_used < w.credits:
+            heap = self.entries
+            if len(heap) > 2 * num_workers + 64:
+                heap.clear()
+                self._stale = True
+            elif self.step == 1:  # entry(), inline for the usual case
+                heapq.heappush(heap, (w.credits_used / w.credits, w.last_pick, w.identity, w))
+            else:
+                heapq.heappush(heap, (w.credits_used // self.step, -w.last_pick, w.identity, w))
+
+    def current(self, workers: Iterable[WorkerState]) -> Heap:
+        """The heap, rebuilt from ``workers`` first if something rare changed."""
+        if self._stale:
+            self._stale = False
+            step = self.step
+            self.entries = [entry(w, step) for w in workers if w.accepting and w.credits_free > 0]
+            heapq.heapify(self.entries)
+        return self.entries
+
+    def pick(self, heap: Heap, job: Job) -> WorkerState | None:
+        """Pop the first worker in order that can take ``job`` (its entry is used up: the
+        caller offers it anew); entries of workers that cannot take it now go back on the heap,
+        and stale ones (the worker's load, last job or ``accepting`` changed since) are dropped:
+        the worker's current entry is on the heap too, if it may take a job."""
+        skipped = []
+        found = None
+        step = self.step
+        while heap:
+            item = heapq.heappop(heap)
+            w = item[3]
+            used, credits = w.credits_used, w.credits
+            if used >= credits or not w.accepting:
+                continue
+            if step == 1:
+                if item[1] != w.last_pick or item[0] != used / credits:
+                    continue
+            elif item[1] != -w.last_pick or item[0] != used // step:
+                continue
+            if (job.cost <= credits - used or used == 0) and w.weight_version >= job.spec.min_weight_version:
+                found = w
+                break
+            skipped.append(item)
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
