@@ -565,7 +565,7 @@ class Scheduler:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
             worker.jobs_sent_at = now
         out.append(p.AssignmentRelay(ticket, spec))
-        self._offer(worker)
+        self._heap.offer(worker, len(self.workers))  # as _offer, one call less per job
         if spec.session_id is not None:
             self.affinity.dispatched(client.identity, job, identity, now)
 
