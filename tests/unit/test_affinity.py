@@ -401,6 +401,8 @@ class Sim:
     log: list[tuple[str, bytes, str]] = field(default_factory=list)
     dispatched: Counter[bytes] = field(default_factory=Counter)  # client -> jobs sent to workers
     serial: int = 0
+    packing: bool = False
+    """Also switch dispatch between least loaded first and packing (``packing.py``) at random."""
 
     def run(self, steps: int) -> None:
         for name in (W1, W2):
@@ -411,6 +413,8 @@ class Sim:
     def step(self) -> None:
         rng, s = self.rng, self.s
         self.now += rng.uniform(0.0, 0.03)
+        if self.packing and rng.random() < 0.05:
+            s.set_pack_step(rng.choice((1, 2, 4, 16)))
         event = rng.choices(
             ["turn", "plain", "final", "late", "join", "die", "credit", "cancel", "tick"],
             [30, 10, 40, 2, 2, 2, 3, 3, 2],
@@ -546,6 +550,24 @@ def test_random_interleavings_keep_credits_and_answer_every_job_once(seed: int) 
     assert counted["affine"] > 0 and counted["moved"] > 0 and counted["new"] > 0
     assert s.stats.sessions.holds["served"] + s.stats.sessions.holds["released"] > 0
     assert sum(s.stats.sessions.dropped.values()) > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_interleavings_while_dispatch_switches_to_packing_and_back(seed: int) -> None:
+    """As above, with dispatch switching between least loaded first and packing in steps of
+    2, 4 or 16 credits at random moments (the broker does at its ticks): still every job
+    answered once, credits never overrun (``check``), sessions still sent to their worker."""
+    s = make(affinity_wait_s=0.05, session_idle_s=2.0, max_sessions=8, max_attempts=3)
+    sim = Sim(s, random.Random(100 + seed), packing=True)
+    sim.run(0)  # the first workers join
+    steps = set()
+    for _ in range(1500):
+        sim.step()
+        steps.add(s.pack_step)
+    sim.drain()
+    assert all(sim.ended[j] == 1 for j in sim.jobs)
+    assert steps >= {1, 16}
+    assert outcomes(s)["affine"] > 0
 
 
 @pytest.mark.parametrize("seed", range(3))
