@@ -287,6 +287,10 @@ def median(rows: list[dict[str, Any]], key: str = "tokens_per_s") -> float:
     return statistics.median(r[key] for r in rows if r["batch"] != "warmup")
 
 
+SIDES = {"direct", "service", "direct_frozen"}
+"""What ``--sides`` may name (benchmarks/e2e_pairs.py runs them)."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=False,
@@ -314,7 +318,7 @@ def main() -> None:
     ap.add_argument(
         "--sides",
         default="direct,service",
-        help="pairs: the sides of each pair, in turn; add direct_frozen for direct with its heap frozen",
+        help="pairs: the sides of each pair in turn: direct,service, then optionally direct_frozen (its heap frozen)",
     )
     ap.add_argument(
         "--pin",
@@ -329,6 +333,10 @@ def main() -> None:
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    sides = args.sides.split(",")
+    if sides[:2] != ["direct", "service"] or len(set(sides)) != len(sides) or not set(sides) <= SIDES:
+        # checked here, not minutes later when the pairs phase has built the model and both engines
+        ap.error(f"--sides {args.sides!r}: direct,service first, then optionally direct_frozen")
     work = Path(args.work_dir)
     args.log_dir = args.log_dir or str(work / "logs")
     if args.tiny:
