@@ -30,6 +30,9 @@ SPREAD_BELOW = 0.25
 """Share of an interval below which a packing broker spreads again."""
 SPREAD = 1
 """The step of least loaded first: every credit of load counts."""
+PACK_STEP = 16
+"""``BrokerConfig.pack_step`` of a broker in its own process: a quarter of a worker's default
+credits (64), so that a job still lands on one of at least a quarter of the fleet's engines."""
 
 
 class Packing:

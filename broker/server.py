@@ -35,7 +35,7 @@ from zmq_rollout.errors import ConfigError, ProtocolError
 
 from .busy_poll import BusyPoll, IdleCores
 from .outbox import CLIENT, WORKER
-from .packing import Packing
+from .packing import PACK_STEP, SPREAD, Packing
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class Broker:
         self._from_client = codec.Decoder(codec.BROKER_FROM_CLIENT)
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
-        self._packing = Packing(self.config.pack_step)
+        self._packing = Packing(self.pack_step())
         self._metrics_server: Any = None
         if self.config.metrics_port is not None:
             from .metrics import serve_metrics
@@ -215,6 +215,7 @@ class Broker:
             poller.register(monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
+        self._packing = Packing(self.pack_step())  # on the thread that runs the loop
         max_spin = self.busy_poll_s()
         spin = BusyPoll(max_spin) if max_spin > 0 else None
         idle = IdleCores()
@@ -270,6 +271,15 @@ class Broker:
         if spin is None:
             spin = BUSY_POLL_US if threading.current_thread() is threading.main_thread() else 0
         return spin / 1e6
+
+    def pack_step(self) -> int:
+        """Credits a worker takes before the next while the broker packs (``BrokerConfig.pack_step``;
+        by default ``PACK_STEP`` on the main thread, which a broker's own process runs it on, and
+        never on any other: a pass's time there includes waiting for the GIL, not only work)."""
+        step = self.config.pack_step
+        if step is None:
+            step = PACK_STEP if threading.current_thread() is threading.main_thread() else SPREAD
+        return step
 
     def _poll(self, poller: zmq.Poller, timeout_ms: float, spin: BusyPoll | None) -> dict[Any, int]:
         """What is ready to read within ``timeout_ms``; after a busy pass (``spin``), polled

@@ -64,11 +64,12 @@ class BrokerConfig:
     sleeping one, about 150 us less per round trip. Costs up to that much CPU per quiet gap (counted in
     zmq_rollout_broker_busy_poll_seconds_total). 0: never; default: 250 in its own process, 0 on a thread of another
     process's (BrokerThread), where spinning would take the GIL from that process's threads."""
-    pack_step: int = 16
+    pack_step: int | None = None
     """While the broker spends over half of its time working (it, not the engines, sets the pace), a worker takes up
     to this many more credits of jobs before the next gets any, so that jobs travel in blocks (a job costs about
     one message instead of three with many workers); below a quarter, least loaded first again. 1: always least
-    loaded first (docs/architecture.md, broker/packing.py)."""
+    loaded first; default: 16 in its own process, 1 on a thread of another process's (BrokerThread), whose passes
+    also wait for that process's threads (docs/architecture.md, broker/packing.py)."""
 
     def __post_init__(self) -> None:
         for name in ("affinity_wait_s", "session_idle_s"):
@@ -79,8 +80,9 @@ class BrokerConfig:
             raise ValueError(f"BrokerConfig.max_sessions must be a positive integer, got {self.max_sessions!r}")
         if not (type(self.max_stale_restarts) is int and self.max_stale_restarts >= 0):
             raise ValueError(f"BrokerConfig.max_stale_restarts must be an int >= 0, not {self.max_stale_restarts!r}")
-        if not (type(self.pack_step) is int and self.pack_step >= 1):
-            raise ValueError(f"BrokerConfig.pack_step must be an int >= 1 (1: never pack), not {self.pack_step!r}")
+        step = self.pack_step
+        if step is not None and not (type(step) is int and step >= 1):
+            raise ValueError(f"BrokerConfig.pack_step must be an int >= 1 (1: never pack), not {step!r}")
         spin = self.busy_poll_us
         if spin is not None and not (type(spin) is int and 0 <= spin <= 1_000_000):
             raise ValueError(f"BrokerConfig.busy_poll_us must be an int in 0..1000000 (microseconds), not {spin!r}")
