@@ -53,6 +53,18 @@ def fleet() -> db.Dashboard:
                 [Query("sum(zmq_rollout_credits)", "total"), Query("sum(zmq_rollout_credits_free)", "free")],
             ),
             graph(
+                "Broker busy",
+                "The share of each heartbeat interval the broker spent on its own work (reading, scheduling, "
+                "sending; not waiting). Near 1 the broker, not the engines, sets the pace. packing is 1 while it "
+                "packs jobs onto fewer workers to send fewer messages (from 0.5 until below 0.25; pack_step).",
+                "percentunit",
+                [
+                    Query("max(zmq_rollout_broker_busy_ratio)", "busy"),
+                    Query("max(zmq_rollout_broker_packing)", "packing"),
+                ],
+                max_value=1,
+            ),
+            graph(
                 "Credits per worker",
                 "Credits each worker's running jobs take (used) and those it has free.",
                 "short",
