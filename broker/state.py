@@ -71,9 +71,6 @@ class WorkerState:
     def credits_free(self) -> int:
         return self.credits - self.credits_used
 
-    def load(self) -> float:
-        return self.credits_used / self.credits if self.credits else 1.0
-
 
 def peer_name(identity: bytes) -> str:
     """A readable name for a peer: its identity if printable (our clients set one), else hex."""
