@@ -2,7 +2,8 @@
 
 Each pass reads every message already waiting on both sockets (up to a bound), feeds them to
 the scheduler, then sends what its outbox holds, one message per peer and command. Bad
-input is answered and counted here and never reaches the scheduler.
+input is answered and counted here and never reaches the scheduler. Each peer is answered in
+the form (split or packed, ``codec``) of the last message it sent.
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ class Broker:
                 self.frontend_address,
                 self.backend_address,
             )
+        self._split: dict[bytes, float] = {}
+        """Peers whose last message was in the split form (older ones), and when: they are
+        answered split; every other peer packed. Forgotten with the peer (``tick``)."""
         self._from_client = codec.Decoder(codec.BROKER_FROM_CLIENT)
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
@@ -198,6 +202,12 @@ class Broker:
     @property
     def backend_address(self) -> str:
         return self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def split_peers(self) -> frozenset[bytes]:
+        """The peers answered in the split form: their last message was split (older clients
+        and workers, or hand-written ones); every other peer is answered packed."""
+        return frozenset(self._split)
 
     @property
     def metrics_port(self) -> int | None:
@@ -258,10 +268,19 @@ class Broker:
         """Once per heartbeat interval: the scheduler's expiry and heartbeats, and whether to
         pack jobs in the next interval (``packing.py``)."""
         self.scheduler.tick(now)
+        self._forget_split(now)
         step = self._packing.review(now)
         self.scheduler.set_pack_step(step)
         stats = self.scheduler.stats
         stats.busy, stats.packing = self._packing.busy, self._packing.packing
+
+    def _forget_split(self, now: float) -> None:
+        """Stop remembering the form of split peers the scheduler forgot (each is remembered
+        again by its next message; the grace keeps one that spoke in this pass)."""
+        sched, before = self.scheduler, now - self.config.heartbeat_interval_s
+        for identity, seen in list(self._split.items()):
+            if seen < before and identity not in sched.clients and identity not in sched.workers:
+                del self._split[identity]
 
     def busy_poll_s(self) -> float:
         """Seconds to poll without sleeping after a busy pass (``BrokerConfig.busy_poll_us``; by
@@ -352,20 +371,28 @@ class Broker:
                 )
 
     def _read(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
-        """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``."""
+        """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``, noting
+        which peers sent the split form."""
+        split = self._split
         for _ in range(_READ_BATCH):
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
-            handler(frames[0].bytes, frames[1:], now)  # Frames: buffers msgspec decodes in place
+            identity = frames[0].bytes
+            if len(frames) < 2 or len(frames[1]) <= codec.SPLIT_PREFIX:
+                split[identity] = now
+            elif split and identity in split:
+                del split[identity]
+            handler(identity, frames[1:], now)  # Frames: buffers msgspec decodes in place
 
     def _flush(self, now: float) -> None:
         self.scheduler.flush_dispatch(now)
+        split = self._split
         for side, identity, command, body in self.scheduler.outbox.take():
             sock = self.frontend if side == CLIENT else self.backend
             try:
-                send_frames(sock, [identity, *codec.encode(command, body)])
+                send_frames(sock, [identity, *codec.encode(command, body, packed=identity not in split)])
             except zmq.ZMQError as exc:
                 # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
                 log.warning("cannot send %s to %r: %s", p.COMMAND_NAMES.get(command), identity, exc.strerror)
@@ -402,14 +429,14 @@ class Broker:
         size = sum(map(len, frames))
         if size > self.config.max_message_bytes:
             error = f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}"
-            submit = len(frames) >= 3 and bytes(frames[0]) == p.SIGNATURE and bytes(frames[1]) == p.SUBMIT
-            self._reject_submit(identity, frames[2] if submit else None, "oversize", error)
+            self._reject_submit(identity, codec.header_of(frames, p.SUBMIT), "oversize", error)
             return
         try:
             msg = self._from_client.decode(frames)
         except ProtocolError as exc:
-            if len(frames) >= 3 and bytes(frames[0]) == p.SIGNATURE and bytes(frames[1]) == p.SUBMIT:
-                self._salvage_submit(identity, frames[2], now)
+            header = codec.header_of(frames, p.SUBMIT)
+            if header is not None:
+                self._salvage_submit(identity, header, now)
             else:
                 self._reject(identity, "invalid", str(exc))
             return
@@ -417,13 +444,13 @@ class Broker:
         if command == p.SUBMIT:
             if len(msg.body) > p.MAX_JOBS_PER_MESSAGE:
                 error = f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
-                self._reject_submit(identity, frames[2], "oversize", error)
+                self._reject_submit(identity, codec.header_of(frames, p.SUBMIT), "oversize", error)
                 return
             sched.submit(identity, msg.body, now)
         elif command == p.HEARTBEAT:
             known = identity in sched.clients
             sched.client_seen(identity, now)
-            sched.outbox.to_client(identity, p.HEARTBEAT, p.Liveness(self.epoch, new_session=not known))
+            sched.outbox.to_client(identity, p.HEARTBEAT, p.Liveness(self.epoch, new_session=not known, packed=True))
         elif command == p.CANCEL:
             sched.cancel(identity, msg.body, now)
         elif command == p.STATUS:
@@ -472,6 +499,8 @@ class Broker:
             sched.worker_seen(identity, now)
         elif command == p.READY:
             sched.worker_ready(identity, body, now)
+            # Tells the worker this broker reads the packed form (an older worker ignores the body).
+            sched.outbox.to_worker(identity, p.HEARTBEAT, p.Liveness(self.epoch, packed=True))
         elif command == p.ERROR:
             sched.worker_error(identity, body, now)
         elif command == p.CREDIT:

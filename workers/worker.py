@@ -55,6 +55,8 @@ class Worker:
         self._outgoing: list[list[Any]] = []  # [command, items] in send order
         self._flush_scheduled = False
         self._last_heard = 0.0
+        self._packed = False
+        """Whether to send the packed form: the broker said it reads it (``Liveness.packed``)."""
         self._exit: asyncio.Future[int] | None = None
         self.sync = SyncParticipant(
             engine, lambda ack: self._send_now(p.CONTROL_ACK, ack), self._fatal, self.wait_for_jobs
@@ -72,6 +74,7 @@ class Worker:
         self._handshake_task = asyncio.ensure_future(self._handshakes(monitor_socket(sock, HANDSHAKE_EVENTS)))
         sock.connect(self.config.broker)
         self._sock = sock
+        self._packed = False  # until this connection's broker says otherwise
         self._last_heard = time.monotonic()
         info = p.WorkerInfo(
             self.name,
@@ -120,7 +123,7 @@ class Worker:
 
     def _send_now(self, command: bytes, body: Any) -> None:
         assert self._sock is not None
-        self._sock.send_multipart(codec.encode(command, body))
+        self._sock.send_multipart(codec.encode(command, body, packed=self._packed))
 
     def _queue(self, command: bytes, item: Any) -> None:
         """Send ``item`` soon, in one message with the others queued in this loop pass."""
@@ -229,8 +232,9 @@ class Worker:
             except ProtocolError as exc:
                 self.metrics.malformed.inc()
                 log.warning("worker %s: bad message from broker: %s", self.name, exc)
-                if len(frames) > 2 and frames[1] == p.CONTROL:  # answer it, or the round waits for its deadline
-                    ack = refusal(frames[2], str(exc), self.engine.weight_version)
+                control = codec.header_of(frames, p.CONTROL)
+                if control is not None:  # answer it, or the round waits for its deadline
+                    ack = refusal(control, str(exc), self.engine.weight_version)
                     if ack is not None:
                         self._send_now(p.CONTROL_ACK, ack)
                 continue
@@ -243,6 +247,8 @@ class Worker:
                 await self._reconnect("broker said DISCONNECT")
             elif msg.command == p.CONTROL:
                 self.sync.submit(msg.body)
+            elif msg.command == p.HEARTBEAT and msg.body is not None and msg.body.packed:
+                self._packed = True
 
     # -- jobs ------------------------------------------------------------------------------
     def _start(self, assignment: p.Assignment) -> None:

@@ -110,6 +110,8 @@ class Connection:
         self._waiting: deque[_Request] = deque()
         self._writer: asyncio.Task[None] | None = None
         self._decoder = codec.Decoder(codec.TO_CLIENT)
+        self.packed = False
+        """Whether to send the packed form: the broker's last HEARTBEAT reply said it reads it."""
 
     def open(self) -> None:
         """Create the socket and start the loops (once; never after ``close``)."""
@@ -142,7 +144,7 @@ class Connection:
             if command == p.CANCEL:
                 return  # cleanup, which must not raise; it could not reach the broker anyway
             raise AuthenticationError(self.refused)
-        frames = codec.encode(command, body)
+        frames = codec.encode(command, body, packed=self.packed)
         while self._waiting and self._waiting[0].sent.done():  # withdrawn
             self._waiting.popleft()
         if not self._waiting and self._try(frames):
@@ -159,7 +161,7 @@ class Connection:
         if self.closed or self._sock is None:
             return False
         try:
-            return self._try(codec.encode(command, body))
+            return self._try(codec.encode(command, body, packed=self.packed))
         except ClientClosedError:
             return False
 
@@ -229,8 +231,10 @@ class Connection:
                 msg = self._decoder.decode([f.buffer for f in frames])
             except RolloutError:
                 continue  # a broker of another version; nothing to attribute it to
-            if msg.command == p.HEARTBEAT and self.watch.liveness(msg.body):
-                await self._on.restarted()
+            if msg.command == p.HEARTBEAT:
+                self.packed = msg.body is not None and msg.body.packed
+                if self.watch.liveness(msg.body):
+                    await self._on.restarted()
             self._on.message(msg.command, msg.body)
 
     async def _heartbeat(self) -> None:
@@ -271,7 +275,7 @@ class Connection:
         if self._sock is None:
             return
         with contextlib.suppress(ClientClosedError):  # best effort: else the broker expires us
-            self._try(codec.encode(p.DISCONNECT))
+            self._try(codec.encode(p.DISCONNECT, packed=self.packed))
         # The monitor stops before its reader closes: libzmq sends each event with a blocking
         # send from its I/O thread, which a closed reader would hang, and with it every socket
         # of the context (the lingering socket may still report a handshake).

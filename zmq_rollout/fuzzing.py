@@ -293,6 +293,8 @@ class Fuzzer:
         self._strategies, self._weights = list(weights), list(weights.values())
         self.counts: collections.Counter[str] = collections.Counter()
         self.tamed = 0
+        self.packed = 0
+        """Messages sent in the packed form."""
 
     def message(self) -> list[bytes]:
         """The next message: frames without an identity."""
@@ -302,7 +304,15 @@ class Fuzzer:
             frames = self._tame(frames)
             if frames is not None:
                 self.counts[strategy] += 1
-                return frames
+                return self._maybe_pack(frames)
+
+    def _maybe_pack(self, frames: list[bytes]) -> list[bytes]:
+        """Half the messages whose first frame is signature-sized go in the packed form (their
+        first three frames joined): both forms' parsing is fuzzed alike."""
+        if len(frames) >= 3 and len(frames[0]) == len(p.SIGNATURE) and self.rng.random() < 0.5:
+            self.packed += 1
+            return [frames[0] + frames[1] + frames[2], *frames[3:]]
+        return frames
 
     # -- privileged commands (module docstring) --------------------------------------------
     def _tame(self, frames: list[bytes]) -> list[bytes] | None:

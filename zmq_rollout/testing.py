@@ -32,10 +32,10 @@ def echo_result(assignment: p.Assignment, name: str, weight_version: int) -> p.R
     return p.Result(assignment.ticket, prompt_ids, samples, weight_version, name)
 
 
-def _send_if_connected(sock: zmq.Socket[Any], command: bytes) -> None:
+def _send_if_connected(sock: zmq.Socket[Any], command: bytes, packed: bool) -> None:
     """Never block: a DEALER whose handshake was refused has no connection to queue on."""
     with contextlib.suppress(zmq.Again):
-        sock.send_multipart(codec.encode(command), zmq.NOBLOCK)
+        sock.send_multipart(codec.encode(command, packed=packed), zmq.NOBLOCK)
 
 
 class EchoWorkerDouble:
@@ -45,6 +45,9 @@ class EchoWorkerDouble:
     ``hold=True`` keeps jobs without answering them until ``release()``, to test requeue.
     CONTROL (a weight-sync step) is acknowledged at once with ``ok`` (see ``sync_ack``);
     ``commit`` sets ``weight_version``, which the next READY announces.
+
+    Like the real worker, it sends the packed form once the broker's answer to READY says the
+    broker reads it; ``split_only=True`` keeps the split form, as a worker older than it.
     """
 
     def __init__(
@@ -57,8 +60,11 @@ class EchoWorkerDouble:
         hold: bool = False,
         weight_version: int = 0,
         curve: PeerKeys | None = None,
+        split_only: bool = False,
     ) -> None:
         self.address = address
+        self.split_only = split_only
+        self._packed = False
         self.curve = curve
         self.name = name or f"echo-double-{uuid.uuid4().hex[:6]}"
         self.credits = credits
@@ -102,10 +108,10 @@ class EchoWorkerDouble:
                             break
                         sock = self._handle(ctx, sock, decoder.decode(frames))
                 if time.monotonic() >= next_beat:
-                    _send_if_connected(sock, p.HEARTBEAT)
+                    _send_if_connected(sock, p.HEARTBEAT, self._packed)
                     next_beat = time.monotonic() + self.heartbeat
             if not self._silent:
-                _send_if_connected(sock, p.DISCONNECT)
+                _send_if_connected(sock, p.DISCONNECT, self._packed)
         finally:
             sock.close(linger=0)
 
@@ -116,6 +122,7 @@ class EchoWorkerDouble:
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.address)
+        self._packed = False  # until this connection's broker says it reads the packed form
         info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, ["echo"])
         sock.send_multipart(codec.encode(p.READY, info))
         return sock
@@ -127,12 +134,14 @@ class EchoWorkerDouble:
                 self.held.extend(msg.body)
             else:
                 results = [echo_result(a, self.name, self.weight_version) for a in msg.body]
-                sock.send_multipart(codec.encode(p.FINAL, results))
+                sock.send_multipart(codec.encode(p.FINAL, results, packed=self._packed))
         elif msg.command == p.CANCEL:
             self.cancelled.extend(msg.body)
             self.held = [a for a in self.held if a.ticket not in msg.body]
         elif msg.command == p.CONTROL:
-            sock.send_multipart(codec.encode(p.CONTROL_ACK, self.sync_ack(msg.body)))
+            sock.send_multipart(codec.encode(p.CONTROL_ACK, self.sync_ack(msg.body), packed=self._packed))
+        elif msg.command == p.HEARTBEAT and msg.body is not None and not self.split_only:
+            self._packed = msg.body.packed
         elif msg.command == p.DISCONNECT:
             self.disconnects += 1
             sock.close(linger=0)

@@ -239,6 +239,25 @@ def test_rollout_fields_for_a_trainer(client: RolloutClient) -> None:
     assert len({tuple(r.token_ids) for r in rollouts[:3]}) > 1
 
 
+def test_real_workers_and_the_client_send_the_packed_form(cluster: LocalCluster, client: RolloutClient) -> None:
+    """The reference worker and client switch to the packed form once the broker says it reads
+    it (its answer to READY, its heartbeat replies): the broker answers them packed too."""
+    client.generate([[3, 4, 5]], SamplingParams(max_tokens=2))
+    workers = cluster.registered()
+    assert len(workers) == 2
+    broker = cluster.broker.broker
+
+    def packed() -> bool:  # a fresh client's first SUBMIT may leave before its first heartbeat's answer
+        split = broker.split_peers
+        return client.identity.encode() not in split and not [
+            i for i in split if i.decode(errors="replace").rsplit("-", 1)[0] in workers
+        ]
+
+    poll_until(packed, 10, "the client and both workers to send the packed form")
+    (rollout,) = client.generate([[3, 4, 5]], SamplingParams(max_tokens=2))
+    assert len(rollout.token_ids) == 2 and packed()
+
+
 def test_top_logprobs(client: RolloutClient) -> None:
     (r,) = client.generate([[10, 11, 12]], SamplingParams(max_tokens=4, logprobs=3, seed=2, ignore_eos=True))
     assert r.top_logprobs is not None and len(r.top_logprobs) == 4

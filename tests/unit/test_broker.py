@@ -91,7 +91,7 @@ def test_client_heartbeat_is_answered(start_broker: Any, raw_socket: Any) -> Non
     assert isinstance(first, p.Liveness) and first.new_session  # it did not know this client before
     send(client, p.HEARTBEAT)
     second = receive(client, FROM_BROKER_TO_CLIENT, p.HEARTBEAT)
-    assert second == p.Liveness(first.epoch, new_session=False) and len(first.epoch) >= 8
+    assert second == p.Liveness(first.epoch, new_session=False, packed=True) and len(first.epoch) >= 8
 
 
 # -- malformed input from clients ---------------------------------------------------------

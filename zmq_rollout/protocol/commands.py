@@ -7,6 +7,12 @@ Every message is a list of ZeroMQ frames::
     command     one byte, below; the receiver demuxes on it before decoding anything
     header      one msgpack object, the command's body (``zmq_rollout.protocol``)
     blobs...    optional raw frames (no command uses them yet)
+
+or, packed (docs/protocol.md section 2.0), the three middle ones as one frame::
+
+    [identity]
+    b"ZR1" + command + header
+    blobs...
 """
 
 from __future__ import annotations

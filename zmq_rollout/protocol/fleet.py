@@ -27,13 +27,17 @@ class WorkerInfo(Struct):
 
 
 class Liveness(Struct):
-    """broker -> client HEARTBEAT: who answers, so that a client can tell a restart."""
+    """broker -> client HEARTBEAT (and broker -> worker, in answer to READY): who answers, so
+    that a client can tell a restart, and what the broker reads."""
 
     epoch: str
     """This broker process's id, new at every start."""
     new_session: bool = False
     """The broker did not know this client before this heartbeat (it restarted, or the client
     was silent past client_expiry_s): nothing the client had in flight is there any more."""
+    packed: bool = False
+    """The broker reads messages in the packed form (docs/protocol.md section 2); a broker older
+    than this field leaves it out, and its peers send the split form."""
 
 
 class WorkerStatus(Struct):
