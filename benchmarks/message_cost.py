@@ -1,6 +1,6 @@
 """What one message costs the broker's thread, and how much of it is waking other threads.
 
-    python benchmarks/message_cost.py [--round-trips 3000]
+    python benchmarks/message_cost.py [--round-trips 3000] [--forms split,packed]
 
 One broker (``Broker``, its loop not running), one client DEALER and one worker DEALER, in one
 process. Per round trip: the client sends a one-job SUBMIT; the broker reads it and flushes
@@ -15,6 +15,11 @@ is a plain context switch. The ratio (pinned / unpinned) is the share of a messa
 is not Python but cross-CPU wake-ups. Run it on a quiet machine: what costs is waking an
 idle (halted) CPU, so with other load on every CPU the two figures meet. Prints both, the ratio
 and a RESULT line.
+
+Each is measured for both message forms (docs/protocol.md section 2.0): the peers send
+``split`` (signature, command and header in three frames; the broker answers split) or
+``packed`` (one frame; answered packed). The packed / split ratio is what the packed form
+saves the broker's thread, from runs interleaved with the split baseline's.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import sys
 import time
 
 
-def measure(round_trips: int) -> float:
+def measure(round_trips: int, packed: bool = False) -> float:
     """Broker thread CPU per one-job round trip, in us."""
     import zmq
 
@@ -53,39 +58,42 @@ def measure(round_trips: int) -> float:
         return time.thread_time_ns() - start
 
     to_worker, to_client = codec.Decoder(codec.TO_WORKER), codec.Decoder(codec.TO_CLIENT)
-    worker.send_multipart(codec.encode(p.READY, p.WorkerInfo("w", "m", 64)))
+    worker.send_multipart(codec.encode(p.READY, p.WorkerInfo("w", "m", 64), packed=packed))
     serve(broker.backend, broker._on_worker)
     sampling, sample = p.SamplingParams(max_tokens=16), p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
     warmup, spent = round_trips // 10, 0
     for i in range(warmup + round_trips):
-        client.send_multipart(codec.encode(p.SUBMIT, [p.JobSpec(f"j{i}", sampling, "x" * 100, ack=False)]))
+        job = p.JobSpec(f"j{i}", sampling, "x" * 100, ack=False)
+        client.send_multipart(codec.encode(p.SUBMIT, [job], packed=packed))
         ns = serve(broker.frontend, broker._on_client)
         while (msg := to_worker.decode(worker.recv_multipart())).command != p.JOBS:
             pass
         result = p.Result(msg.body[0].ticket, [1, 2, 3, 4], [sample], 0, "w")
-        worker.send_multipart(codec.encode(p.FINAL, [result]))
+        worker.send_multipart(codec.encode(p.FINAL, [result], packed=packed))
         ns += serve(broker.backend, broker._on_worker)
         while to_client.decode(client.recv_multipart()).command != p.FINAL:
             pass
         if i >= warmup:
             spent += ns
     assert broker.scheduler.stats.completed == warmup + round_trips
+    assert (broker.split_peers == frozenset()) is packed  # the broker answered in the peers' form
     for sock in (client, worker):
         sock.close(linger=0)
     broker._release()
     return spent / round_trips / 1e3
 
 
-def run(pin: bool, round_trips: int) -> float:
+def run(pin: bool, round_trips: int, packed: bool) -> float:
     """``measure`` in a fresh process (pinned to one CPU before ZeroMQ starts its thread)."""
     code = (
         "import os, sys, json; sys.path.insert(0, sys.argv[1]); import message_cost as m\n"
         "if sys.argv[2] == '1': os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})\n"
-        "print(json.dumps(m.measure(int(sys.argv[3]))))"
+        "print(json.dumps(m.measure(int(sys.argv[3]), sys.argv[4] == 'packed')))"
     )
     here = os.path.dirname(os.path.abspath(__file__))
+    form = "packed" if packed else "split"
     out = subprocess.run(
-        [sys.executable, "-c", code, here, "1" if pin else "0", str(round_trips)],
+        [sys.executable, "-c", code, here, "1" if pin else "0", str(round_trips), form],
         check=True, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     return float(out.stdout.strip().splitlines()[-1])
@@ -95,19 +103,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--round-trips", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each, interleaved (median)")
+    ap.add_argument("--forms", default="split,packed", help="message forms to measure, comma-separated")
     args = ap.parse_args()
     if not hasattr(os, "sched_setaffinity"):
         sys.exit("this benchmark pins a process to one CPU: Linux only")
-    free, pinned = [], []
+    forms = args.forms.split(",")
+    if not forms or set(forms) - {"split", "packed"}:
+        ap.error(f"--forms takes split and/or packed, got {args.forms!r}")
+    free: dict[str, list[float]] = {f: [] for f in forms}
+    pinned: dict[str, list[float]] = {f: [] for f in forms}
     for _ in range(args.repeats):
-        free.append(run(False, args.round_trips))
-        pinned.append(run(True, args.round_trips))
+        for form in forms:
+            free[form].append(run(False, args.round_trips, form == "packed"))
+            pinned[form].append(run(True, args.round_trips, form == "packed"))
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     print(f"broker thread CPU per one-job round trip (SUBMIT in, JOBS out, FINAL in, FINAL out), {os.cpu_count()} CPUs")
-    print(f"  every CPU     {med(free):7.1f} us   runs {', '.join(f'{x:.1f}' for x in free)}")
-    print(f"  one CPU       {med(pinned):7.1f} us   runs {', '.join(f'{x:.1f}' for x in pinned)}")
-    print(f"  one CPU / every CPU: {med(pinned) / med(free):.2f} (the rest is cross-CPU wake-ups)")
-    result = {"every_cpu_us": med(free), "one_cpu_us": med(pinned), "ratio": round(med(pinned) / med(free), 3)}
+    result: dict[str, float] = {}
+    for form in forms:
+        a, b = med(free[form]), med(pinned[form])
+        print(f"  {form:6}  every CPU {a:7.1f} us   runs {', '.join(f'{x:.1f}' for x in free[form])}")
+        print(f"  {form:6}  one CPU   {b:7.1f} us   runs {', '.join(f'{x:.1f}' for x in pinned[form])}")
+        print(f"  {form:6}  one CPU / every CPU: {b / a:.2f} (the rest is cross-CPU wake-ups)")
+        result |= {f"{form}_every_cpu_us": a, f"{form}_one_cpu_us": b, f"{form}_ratio": round(b / a, 3)}
+    if len(forms) == 2:
+        for where, runs in (("every CPU", free), ("one CPU", pinned)):
+            ratio = med(runs["packed"]) / med(runs["split"])
+            print(f"  packed / split, {where}: {ratio:.2f}")
+            result[f"packed_over_split_{where.split()[0]}_cpu"] = round(ratio, 3)
     print("RESULT " + json.dumps(result))
 
 

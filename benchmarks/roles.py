@@ -375,7 +375,9 @@ def direct_echo_server(report: Any, tag: str) -> None:
     report.put(("ready", tag, sock.getsockopt_string(zmq.LAST_ENDPOINT)))
     while True:
         frames = sock.recv_multipart()
-        msg = decoder.decode(frames[1:])
+        msg, packed = decoder.decode(frames[1:]), codec.is_packed(frames[1:])  # answered alike, as the broker does
+        if msg.command == p.HEARTBEAT:
+            sock.send_multipart([frames[0], *codec.encode(p.HEARTBEAT, p.Liveness(tag, packed=True), packed=packed)])
         if msg.command != p.SUBMIT:
             continue
         results = []
@@ -383,7 +385,7 @@ def direct_echo_server(report: Any, tag: str) -> None:
             result = echo_result(p.Assignment(0, job), "direct-echo", 0)
             result.key = job.job_id
             results.append(result)
-        sock.send_multipart([frames[0], *codec.encode(p.FINAL, results)])
+        sock.send_multipart([frames[0], *codec.encode(p.FINAL, results, packed=packed)])
 
 
 # -- workers ---------------------------------------------------------------------------------
@@ -455,7 +457,8 @@ def _serve_doubles(
         fd = int(sock.getsockopt(zmq.FD))
         by_fd[fd] = sock
         epoll.register(fd, select.EPOLLIN)
-    decoder, beat = codec.Decoder(codec.TO_WORKER), codec.encode(p.HEARTBEAT)
+    decoder, beats = codec.Decoder(codec.TO_WORKER), {f: codec.encode(p.HEARTBEAT, packed=f) for f in (False, True)}
+    packed = dict.fromkeys(socks, False)  # per double: the broker's answer to READY said it reads packed
     next_beat = time.monotonic() + heartbeat_s
     ready = list(socks)
     slot = FLEET_COUNTS * k
@@ -468,18 +471,22 @@ def _serve_doubles(
             while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
                 if msg.command == p.JOBS:
-                    sock.send_multipart(codec.encode(p.FINAL, [echo_result(a, name, 0) for a in msg.body]))
+                    results = [echo_result(a, name, 0) for a in msg.body]
+                    sock.send_multipart(codec.encode(p.FINAL, results, packed=packed[sock]))
                     counts[slot] += len(msg.body)
                     counts[slot + 1] += 1
                 elif msg.command == p.HEARTBEAT:
                     counts[slot + 3] += 1
+                    if msg.body is not None:
+                        packed[sock] = msg.body.packed
                 elif msg.command == p.DISCONNECT:  # the broker purged this double: taken for dead
                     counts[slot + 2] += 1
+                    packed[sock] = False
                     _send_now(sock, codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
         ready = []
         if time.monotonic() >= next_beat:
             for sock in socks:
-                _send_now(sock, beat)
+                _send_now(sock, beats[packed[sock]])
             next_beat = time.monotonic() + heartbeat_s
             ready = list(socks)
     epoll.close()
@@ -544,10 +551,11 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
         sock.connect(address)
         sock.send_multipart(codec.encode(p.HEARTBEAT))
         socks.append(sock)
+    packed = {}
     for sock in socks:
         if not sock.poll(30_000):
             raise RuntimeError(f"{tag}: the broker did not answer a client's HEARTBEAT within 30 s")
-        sock.recv_multipart()
+        packed[sock] = _reads_packed(decoder, sock.recv_multipart())
     report.put(("ready", tag, None))
     go.wait()
     wins = {sock: _Window(clock) for sock in socks}
@@ -564,7 +572,7 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
             for sock, win in wins.items():
                 while win.inflight + batch <= batch * window:
                     jobs = [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)]
-                    sock.send_multipart(codec.encode(p.SUBMIT, jobs))
+                    sock.send_multipart(codec.encode(p.SUBMIT, jobs, packed=packed[sock]))
                     win.inflight += batch
         ready = poller.poll(50)
         now = time.monotonic()
@@ -576,7 +584,7 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
                     break
                 wins[sock].complete(*_count_answer(decoder, frames), now)
     for sock in socks:
-        sock.send_multipart(codec.encode(p.DISCONNECT))
+        sock.send_multipart(codec.encode(p.DISCONNECT, packed=packed[sock]))
         sock.close(linger=100)
     done = {
         "jobs": sum(w.done for w in wins.values()),
@@ -604,9 +612,31 @@ class _Window:
             self.messages += jobs + errors > 0
 
 
+def _command(frames: list[bytes]) -> bytes:
+    """A message's command, of either form, unchecked (the broker's own messages)."""
+    first = frames[0]
+    return first[3:4] if len(first) > 3 else frames[1]
+
+
+def _reads_packed(decoder: codec.Decoder, frames: list[bytes]) -> bool:
+    """Whether the broker's answer to a HEARTBEAT says it reads the packed form."""
+    msg = decoder.decode(frames)
+    return msg.command == p.HEARTBEAT and msg.body is not None and msg.body.packed
+
+
+def _hello(sock: zmq.Socket[Any], decoder: codec.Decoder, tag: str) -> bool:
+    """HEARTBEAT, as the reference client opens: whether the broker reads the packed form."""
+    sock.send_multipart(codec.encode(p.HEARTBEAT))
+    while sock.poll(30_000):
+        frames = sock.recv_multipart()
+        if _command(frames) == p.HEARTBEAT:
+            return _reads_packed(decoder, frames)
+    raise RuntimeError(f"{tag}: no answer to HEARTBEAT within 30 s")
+
+
 def _count_answer(decoder: codec.Decoder, frames: list[bytes]) -> tuple[int, int]:
     """(jobs finished, jobs failed) in one broker message; ACCEPTED is skipped undecoded."""
-    command = frames[1]
+    command = _command(frames)
     if command == p.FINAL:
         return len(decoder.decode(frames).body), 0
     if command in (p.ERROR, p.BUSY):
@@ -646,6 +676,7 @@ def submit_client(report: Any, tag: str, address: str, batch: int, window: int, 
     sock = _socket(zmq.DEALER, address, identity=tag)
     decoder = codec.Decoder(codec.TO_CLIENT)
     limit, ids = batch * window, iter(range(1 << 62))
+    packed = _hello(sock, decoder, tag)
     report.put(("ready", tag, None))
     go.wait()
     win = _Window(clock)
@@ -653,11 +684,11 @@ def submit_client(report: Any, tag: str, address: str, batch: int, window: int, 
     def fill() -> None:
         while win.inflight + batch <= limit:
             jobs = [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)]
-            sock.send_multipart(codec.encode(p.SUBMIT, jobs))
+            sock.send_multipart(codec.encode(p.SUBMIT, jobs, packed=packed))
             win.inflight += batch
 
     _pump(sock, win, win.t_end + DRAIN_SECONDS, fill, lambda frames: _count_answer(decoder, frames))
-    sock.send_multipart(codec.encode(p.DISCONNECT))
+    sock.send_multipart(codec.encode(p.DISCONNECT, packed=packed))
     sock.close(linger=100)
     report.put(("done", tag, {"jobs": win.done, "errors": win.errors}))
 
@@ -718,6 +749,7 @@ def latency_client(report: Any, tag: str, address: str, kind: str, count: int, w
     """One job in flight at a time; reports every round trip in ns. ``kind``: ``submit``
     (a one-job SUBMIT, waits for its FINAL) or ``raw`` (100 bytes, waits for the echo)."""
     sock = _socket(zmq.DEALER, address, identity=tag)
+    packed = kind != "raw" and _hello(sock, codec.Decoder(codec.TO_CLIENT), tag)
     report.put(("ready", tag, None))
     go.wait()
     samples = []
@@ -727,14 +759,14 @@ def latency_client(report: Any, tag: str, address: str, kind: str, count: int, w
             sock.send(RAW_JOB)
             sock.recv()
         else:
-            frames = codec.encode(p.SUBMIT, [bench_job(f"{tag}-{i:x}")])
+            frames = codec.encode(p.SUBMIT, [bench_job(f"{tag}-{i:x}")], packed=packed)
             start = time.perf_counter_ns()
             sock.send_multipart(frames)
-            while sock.recv_multipart()[1] != p.FINAL:
-                pass  # ACCEPTED comes first, when asked for
+            while _command(sock.recv_multipart()) != p.FINAL:
+                pass  # ACCEPTED (when asked for) and heartbeat replies come first
         if i >= warmup:
             samples.append(time.perf_counter_ns() - start)
     if kind != "raw":
-        sock.send_multipart(codec.encode(p.DISCONNECT))
+        sock.send_multipart(codec.encode(p.DISCONNECT, packed=packed))
     sock.close(linger=100)
     report.put(("done", tag, samples))

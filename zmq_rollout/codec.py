@@ -86,6 +86,11 @@ PACKED_PREFIX = SPLIT_PREFIX + 1
 """Where a packed message's header starts in its first frame (after signature and command)."""
 
 
+_PREFIXES = {command: p.SIGNATURE + command for command in p.COMMAND_NAMES}
+"""A packed message's first bytes, per command."""
+_PACKED_COMMANDS = {prefix: command for command, prefix in _PREFIXES.items()}
+
+
 class Parts(NamedTuple):
     """A message's framing taken apart, its header not yet decoded."""
 
@@ -139,7 +144,15 @@ class Decoder:
 
     def decode(self, frames: Sequence[Any]) -> Message:
         """Decode a message of either form (no identity). Raises ProtocolError."""
-        command, header, blobs, _ = parts(frames)
+        if frames and len(frames[0]) > SPLIT_PREFIX:  # packed: ``parts`` inlined, for the broker's hot path
+            view = memoryview(frames[0])
+            command = _PACKED_COMMANDS.get(view[:PACKED_PREFIX].tobytes())
+            if command is None:  # another signature, or an unknown command: parts says which
+                command, header, blobs, _ = parts(frames)
+            else:
+                header, blobs = view[PACKED_PREFIX:], frames[1:]
+        else:
+            command, header, blobs, _ = parts(frames)
         if command not in self._commands:
             raise ProtocolError(f"unknown command {command!r}")
         decoder = self._decoders.get(command)
@@ -162,5 +175,4 @@ def encode(command: bytes, body: Any = None, blobs: Sequence[Any] = (), *, packe
     return [p.SIGNATURE, command, _encoder.encode(body), *blobs]
 
 
-_PREFIXES = {command: p.SIGNATURE + command for command in p.COMMAND_NAMES}
-"""A packed message's first bytes, per command."""
+
