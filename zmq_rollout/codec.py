@@ -173,6 +173,3 @@ def encode(command: bytes, body: Any = None, blobs: Sequence[Any] = (), *, packe
     if packed:
         return [_PREFIXES[command] + _encoder.encode(body), *blobs]
     return [p.SIGNATURE, command, _encoder.encode(body), *blobs]
-
-
-
