@@ -98,6 +98,11 @@ class SchedulerCollector:
             "1 while the broker is busy and packs jobs onto fewer workers (pack_step); 0: least loaded first.",
             value=int(stats.packing),
         )
+        yield GaugeMetricFamily(
+            "zmq_rollout_broker_split_form_peers",
+            "Clients and workers whose last message was in the split form (older than the packed form).",
+            value=stats.split_peers,
+        )
         yield _histogram("zmq_rollout_job_latency_seconds", "Submit to final result, per job.", stats.job_latency)
         yield _histogram("zmq_rollout_queue_wait_seconds", "Submit to dispatch, per job attempt.", stats.queue_wait)
         depth = GaugeMetricFamily("zmq_rollout_queue_depth", "Queued jobs per client.", labels=["client"])

@@ -273,6 +273,7 @@ class Broker:
         self.scheduler.set_pack_step(step)
         stats = self.scheduler.stats
         stats.busy, stats.packing = self._packing.busy, self._packing.packing
+        stats.split_peers = len(self._split)
 
     def _forget_split(self, now: float) -> None:
         """Stop remembering the form of split peers the scheduler forgot (each is remembered

@@ -155,6 +155,8 @@ class BrokerStats:
     """Share of the last heartbeat interval the socket loop spent on its work (``packing.py``)."""
     packing: bool = False
     """Whether dispatch packs jobs (the broker is busy) or gives each to the least loaded worker."""
+    split_peers: int = 0
+    """Peers whose last message was in the split form (``Broker.split_peers``), at the last tick."""
     malformed: dict[str, int] = field(default_factory=dict)  # by reason
     auth_failures: dict[tuple[str, str], int] = field(default_factory=dict)  # by (port, reason), with CurveZMQ
     job_latency: Histogram = field(default_factory=Histogram)

@@ -175,8 +175,11 @@ def test_the_broker_forgets_the_form_of_peers_it_forgot(start_broker: Any, raw_s
     client.send_multipart(codec.encode(p.STATUS))
     receive_command(client, TO_CLIENT, p.STATUS_REPLY)
     assert b"c-leaves" in broker.thread.broker.split_peers
+    gauge = "zmq_rollout_broker_split_form_peers"
+    poll_until(lambda: broker.metrics()[gauge] == 1, what="the gauge to count the split client")  # set per tick
     client.send_multipart(codec.encode(p.DISCONNECT))
     poll_until(lambda: b"c-leaves" not in broker.thread.broker.split_peers, what="the split form to be forgotten")
+    poll_until(lambda: broker.metrics()[gauge] == 0, what="the gauge to drop it")
 
 
 def test_the_reference_client_sends_packed_once_the_broker_says_it_reads_it(
