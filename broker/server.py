@@ -17,7 +17,6 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 import zmq
 
 from zmq_rollout import codec
@@ -37,6 +36,7 @@ from zmq_rollout.errors import ConfigError, ProtocolError
 from .busy_poll import BusyPoll, IdleCores
 from .outbox import CLIENT, WORKER
 from .packing import PACK_STEP, SPREAD, Packing
+from .salvage import split_submit, submit_ids
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -77,46 +77,6 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         _send(sock, frame, _MORE if i < last else _NOBLOCK, len(frame) < _COPY_BELOW)
-
-
-_job_decoder = msgspec.msgpack.Decoder(p.JobRelay)
-_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
-_str = msgspec.msgpack.Decoder(str)
-
-
-def job_id_of(raw: Any) -> str | None:
-    """A raw job's id: its first item, when that is a string (else None)."""
-    try:
-        items = _raw_list.decode(raw)
-        return _str.decode(items[0]) if items else None
-    except codec.DECODE_ERRORS:
-        return None
-
-
-def submit_ids(header: Any) -> list[str]:
-    """The job ids readable in a SUBMIT's header; [] if the header is not a list."""
-    try:
-        raws = _raw_list.decode(header)
-    except codec.DECODE_ERRORS:
-        return []
-    return [jid for jid in map(job_id_of, raws) if jid is not None]
-
-
-def split_submit(header: Any) -> tuple[list[p.JobRelay], list[p.ErrorItem]]:
-    """Salvage a SUBMIT that failed to decode as a whole: valid jobs go on, each invalid one
-    gets an error naming its job id (when one can be read). Raises ProtocolError if the
-    header is not even a list."""
-    try:
-        raws = _raw_list.decode(header)
-    except codec.DECODE_ERRORS as exc:
-        raise ProtocolError(f"invalid submit message: {exc}") from None
-    jobs, errors = [], []
-    for raw in raws:
-        try:
-            jobs.append(_job_decoder.decode(raw))
-        except codec.DECODE_ERRORS as exc:
-            errors.append(p.ErrorItem(job_id_of(raw), "invalid_request", f"invalid job: {exc}"))
-    return jobs, errors
 
 
 class Broker:

@@ -21,8 +21,8 @@ import zmq
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.broker.outbox import CLIENT, WORKER
+from zmq_rollout.broker.salvage import split_submit
 from zmq_rollout.broker.scheduler import Scheduler
-from zmq_rollout.broker.server import split_submit
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.errors import ProtocolError
 

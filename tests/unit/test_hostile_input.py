@@ -12,7 +12,7 @@ import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
-from zmq_rollout.broker.server import split_submit
+from zmq_rollout.broker.salvage import split_submit
 from zmq_rollout.errors import ProtocolError
 from zmq_rollout.workers.control import refusal
 
