@@ -39,6 +39,8 @@ import profiling
 import roles
 from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, percentile_us, report, report_comparison
 
+from zmq_rollout.config import BrokerConfig
+
 CTX = mp.get_context("spawn")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 REPO = Path(__file__).resolve().parent.parent
@@ -114,6 +116,8 @@ class Group:
         self.go = CTX.Event()
         self.clock = CTX.Array("d", 2, lock=False)
         self.procs: list[tuple[str, str, Any]] = []  # (role, tag, process)
+        self.broker_metrics: int | None = None
+        """The port of the broker's ``/metrics``, where it serves one (``roles.broker_messages``)."""
 
     def start(self, role: str, tag: str, target: Any, *args: Any) -> str:
         proc = CTX.Process(target=target, args=(self.report, tag, *args), name=tag, daemon=True)
@@ -241,6 +245,7 @@ def tree_broker_ready(g: Group, tree: Tree) -> tuple[str, str]:
     """Start ``tree``'s broker; check that every ``zmq_rollout`` module it imported is the
     tree's and that it speaks the wire it spoke before (``check_protocol``); its addresses."""
     ready = g.expect("ready", [g.start_tree_broker("broker", tree)])["broker"]
+    g.broker_metrics = ready.get("metrics")
     tree.files = _own_files(tree, ready["files"])
     if tree.wire and ready["wire"] != tree.wire:
         raise RuntimeError(f"the {tree.label} broker's wire changed during the run ({tree.path} was edited?)")
@@ -280,7 +285,7 @@ def start_servers(
             front, back = tree_broker_ready(g, tree)
         else:
             g.start("server", "broker", roles.broker, profile)
-            front, back = g.expect("ready", ["broker"])["broker"]
+            front, back, g.broker_metrics = g.expect("ready", ["broker"])["broker"]
         target, extra = roles.echo_doubles, (args.credits,)
     tags = [
         g.start("workers", f"workers{i}", target, back, n, *extra)
@@ -322,11 +327,11 @@ def run_throughput(
             wait_registered(address, setup.workers)
         t_begin, t_end = g.start_window(args.warmup, args.duration)
         time.sleep(max(0.0, t_begin - time.monotonic()))
-        cpu0 = g.cpu()
+        cpu0, messages0 = g.cpu(), roles.broker_messages(g.broker_metrics)
         if profile and profile[0] == "py-spy":
             spy = profiling.start_py_spy(g.pid("broker"), args.duration, profile[1])
         time.sleep(max(0.0, t_end - time.monotonic()))
-        cpu1 = g.cpu()
+        cpu1, messages1 = g.cpu(), roles.broker_messages(g.broker_metrics)
         done = g.expect("done", tags, timeout=roles.DRAIN_SECONDS + 30)
         if spy is not None and spy.wait(timeout=30) != 0:
             raise RuntimeError(f"py-spy failed: {spy.stderr.read().decode() if spy.stderr else ''}")
@@ -350,6 +355,9 @@ def run_throughput(
         "errors": sum(d["errors"] for d in done.values()),
         "cpu_cores": cpu,
         "server_cpu_us_per_job": round(server_us, 2),
+        "broker_messages_per_job": (
+            None if messages0 is None or messages1 is None or not jobs else round((messages1 - messages0) / jobs, 3)
+        ),
     }
 
 
@@ -664,7 +672,20 @@ def main() -> None:
     ap.add_argument(
         "--ack", action="store_true", help="the clients' jobs ask for ACCEPTED (JobSpec.ack; off as in the client)"
     )
+    ap.add_argument(
+        "--broker-config",
+        default="",
+        metavar="KEY=INT,...",
+        help="BrokerConfig settings of the brokers measured (this checkout's and --baseline-ref's), e.g. "
+        "pack_step=64,busy_poll_us=0 (default: the broker's own)",
+    )
     args = ap.parse_args()
+    try:
+        settings = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.broker_config.split(",") if kv)}
+        BrokerConfig(**settings)
+    except (ValueError, TypeError) as exc:
+        ap.error(f"--broker-config {args.broker_config!r}: {exc}")
+    os.environ[roles.BROKER_CONFIG_ENV] = json.dumps(settings)  # the spawned brokers read it
     if args.ack:
         os.environ[roles.ACK_ENV] = "1"  # the client processes, spawned, read it (roles.ACK)
         roles.ACK = True

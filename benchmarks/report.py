@@ -80,7 +80,7 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
     if rows:
         print("\nthroughput (round trips: job submitted -> its result back at the client)")
         head = (f"{'case':<40} {'jobs/s':>10}  {'server':>6} {'workers':>7} {'clients':>7} {'other':>6}"
-                f"  {'server us/job':>13}  errors")  # fmt: skip
+                f"  {'server us/job':>13}  {'msgs/job':>8}  errors")  # fmt: skip
         print(head)
         print("-" * len(head))
         for r in rows:
@@ -88,15 +88,18 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
             roles = " ".join(
                 f"{cpu.get(role, 0):>{w}.2f}" for role, w in (("server", 6), ("workers", 7), ("clients", 7))
             )
+            m = r.get("broker_messages_per_job")
             print(
                 f"{r['case']:<40} {r['jobs_per_s']:>10,}  {roles} {cpu['other']:>6.2f}  "
-                f"{r['server_cpu_us_per_job']:>13.2f}  {r['errors']}"
+                f"{r['server_cpu_us_per_job']:>13.2f}  {'' if m is None else f'{m:.3f}':>8}  {r['errors']}"
             )
         print(
             "server/workers/clients: CPU cores each role used while measured (1.00 = one core busy); "
             "server = the broker, zmq.proxy or uvicorn.\nother: CPU used by processes outside this "
             "benchmark at the same time (another load on the machine makes every figure lower).\n"
-            "server us/job: the server's CPU time per completed job (moves less with other load than jobs/s)."
+            "server us/job: the server's CPU time per completed job (moves less with other load than jobs/s).\n"
+            "msgs/job: messages the broker read and sent per completed job (zmq_rollout_broker_messages_total); "
+            "a job alone costs 4, 64 jobs that travel together 4/64 = 0.0625."
         )
         busy = [r["case"] for r in rows if r["cpu_cores"]["other"] > 0.2]
         if busy:

@@ -76,6 +76,8 @@ def role(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 CURVE_ENV = "ZMQ_ROLLOUT_BENCH_KEYS"
+BROKER_CONFIG_ENV = "ZMQ_ROLLOUT_BENCH_BROKER_CONFIG"
+"""``BrokerConfig`` settings of the benchmark's brokers, as JSON (``--broker-config``; unset: the defaults)."""
 """Set (to a keys folder) for a ``curve`` case: the broker requires CurveZMQ and every peer has keys."""
 
 
@@ -123,6 +125,13 @@ def _socket(kind: int, address: str, *, bind: bool = False, identity: str = "") 
 
 
 # -- servers ---------------------------------------------------------------------------------
+def broker_options() -> dict[str, Any]:
+    """``BrokerConfig`` settings the benchmark's command line gave its brokers (``--broker-config``)."""
+    import json
+
+    return dict(json.loads(os.environ.get(BROKER_CONFIG_ENV) or "{}"))
+
+
 @role
 def broker(report: Any, tag: str, profile_path: str | None) -> None:
     """The product broker, as ``zmq-rollout broker`` runs it (optionally under cProfile)."""
@@ -131,9 +140,10 @@ def broker(report: Any, tag: str, profile_path: str | None) -> None:
 
     folder = os.environ.get(CURVE_ENV)
     curve = {"curve_secret_key": f"{folder}/broker.key_secret", "allow_keys": f"{folder}/allowed"} if folder else {}
-    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", **curve))
+    options = {**curve, **broker_options()}
+    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", metrics_port=0, **options))
     signal.signal(signal.SIGTERM, lambda *_: b.stop())
-    report.put(("ready", tag, (b.frontend_address, b.backend_address)))
+    report.put(("ready", tag, (b.frontend_address, b.backend_address, b.metrics_port)))
     if profile_path is None:
         b.run()
         return
@@ -264,10 +274,13 @@ def tree_broker(tree: str) -> None:
     from zmq_rollout.broker.server import Broker
     from zmq_rollout.config import BrokerConfig
 
-    b = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    b = Broker(
+        BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", metrics_port=0, **broker_options())
+    )
     signal.signal(signal.SIGTERM, lambda *_: b.stop())
     wire = wire_fingerprint()
     ready = {"frontend": b.frontend_address, "backend": b.backend_address, "wire": wire, "files": tree_files()}
+    ready["metrics"] = b.metrics_port
     print(json.dumps(ready), flush=True)
     b.run()
 
@@ -386,6 +399,19 @@ def direct_echo_server(report: Any, tag: str) -> None:
             result.key = job.job_id
             results.append(result)
         sock.send_multipart([frames[0], *codec.encode(p.FINAL, results, packed=packed)])
+
+
+def broker_messages(metrics_port: int | None) -> float | None:
+    """Messages the broker read and sent so far (``zmq_rollout_broker_messages_total``, from its
+    ``/metrics``); None for a broker without the counter (an older commit's)."""
+    from zmq_rollout.scrape import fetch_metrics
+
+    if metrics_port is None:
+        return None
+    scrape = fetch_metrics(f"http://127.0.0.1:{metrics_port}/metrics", 5.0)
+    if scrape.error:
+        raise RuntimeError(f"cannot read the broker's metrics: {scrape.error}")
+    return scrape.total("zmq_rollout_broker_messages_total")
 
 
 # -- workers ---------------------------------------------------------------------------------

@@ -98,6 +98,15 @@ class SchedulerCollector:
             "1 while the broker is busy and packs jobs onto fewer workers (pack_step); 0: least loaded first.",
             value=int(stats.packing),
         )
+        messages = CounterMetricFamily(
+            "zmq_rollout_broker_messages",
+            "Messages the broker read (received) and sent, to and from clients and workers: over jobs "
+            "completed, what batching saves.",
+            labels=["direction"],
+        )
+        messages.add_metric(["received"], stats.messages_received)
+        messages.add_metric(["sent"], stats.messages_sent)
+        yield messages
         yield GaugeMetricFamily(
             "zmq_rollout_broker_split_form_peers",
             "Clients and workers whose last message was in the split form (older than the packed form).",

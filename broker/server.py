@@ -335,22 +335,27 @@ class Broker:
         """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``, noting
         which peers sent the split form."""
         split = self._split
-        for _ in range(_READ_BATCH):
+        for read in range(_READ_BATCH):  # noqa: B007 (``read``: the messages read, counted below)
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
-                return
+                break
             identity = frames[0].bytes
             if len(frames) < 2 or len(frames[1]) <= codec.SPLIT_PREFIX:
                 split[identity] = now
             elif split and identity in split:
                 del split[identity]
             handler(identity, frames[1:], now)  # Frames: buffers msgspec decodes in place
+        else:
+            read = _READ_BATCH
+        self.scheduler.stats.messages_received += read
 
     def _flush(self, now: float) -> None:
         self.scheduler.flush_dispatch(now)
         split = self._split
-        for side, identity, command, body in self.scheduler.outbox.take():
+        out = self.scheduler.outbox.take()
+        self.scheduler.stats.messages_sent += len(out)  # tried; one that cannot go is counted unroutable
+        for side, identity, command, body in out:
             sock = self.frontend if side == CLIENT else self.backend
             try:
                 send_frames(sock, [identity, *codec.encode(command, body, packed=identity not in split)])

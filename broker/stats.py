@@ -155,6 +155,10 @@ class BrokerStats:
     """Share of the last heartbeat interval the socket loop spent on its work (``packing.py``)."""
     packing: bool = False
     """Whether dispatch packs jobs (the broker is busy) or gives each to the least loaded worker."""
+    messages_received: int = 0
+    """Messages the broker read from clients and workers (with ``messages_sent``: messages per job)."""
+    messages_sent: int = 0
+    """Messages the broker sent to clients and workers (those it could not send included)."""
     split_peers: int = 0
     """Peers whose last message was in the split form (``Broker.split_peers``), at the last tick."""
     malformed: dict[str, int] = field(default_factory=dict)  # by reason

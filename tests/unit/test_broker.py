@@ -94,6 +94,29 @@ def test_client_heartbeat_is_answered(start_broker: Any, raw_socket: Any) -> Non
     assert second == p.Liveness(first.epoch, new_session=False, packed=True) and len(first.epoch) >= 8
 
 
+def test_the_broker_counts_the_messages_it_reads_and_sends(start_broker: Any, raw_socket: Any) -> None:
+    """``zmq_rollout_broker_messages_total``: one SUBMIT of 8 jobs to one worker is one JOBS, and
+    its 8 FINALs in one message go to the client as one FINAL (a hand-driven worker that sends
+    no heartbeat, so every message is known)."""
+    broker = start_broker(heartbeat_interval_s=30.0)  # no tick, so no HEARTBEAT to the worker
+    worker = raw_socket(zmq.DEALER)
+    worker.connect(broker.backend)
+    send(worker, p.READY, p.WorkerInfo("raw-worker", "m", 8))
+    receive(worker, FROM_BROKER_TO_WORKER, p.HEARTBEAT)  # the broker's answer to READY
+    client = raw_socket(zmq.DEALER)
+    client.connect(broker.frontend)
+    send(client, p.SUBMIT, [p.JobSpec(f"j{i}", prompt="x", ack=False) for i in range(8)])
+    jobs = receive(worker, FROM_BROKER_TO_WORKER, p.JOBS)
+    assert len(jobs) == 8
+    send(worker, p.FINAL, [echo_result(a, "raw-worker", 0) for a in jobs])
+    assert [r.key for r in receive(client, FROM_BROKER_TO_CLIENT, p.FINAL)] == [f"j{i}" for i in range(8)]
+    counted = {
+        side: broker.metrics()[f"zmq_rollout_broker_messages_total{{direction={side}}}"]
+        for side in ("received", "sent")
+    }
+    assert counted == {"received": 3, "sent": 3}  # READY, SUBMIT, FINAL; HEARTBEAT, JOBS, FINAL
+
+
 # -- malformed input from clients ---------------------------------------------------------
 @pytest.mark.parametrize(
     ("frames", "message"),
