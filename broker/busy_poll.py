@@ -8,7 +8,10 @@ or within its maximum after a sleep, and halves, down to nothing, while they com
 four maxima apart. A broker whose workers answer in milliseconds stops spinning; one in a
 ping-pong keeps the whole window. And it polls only while the machine has a core to spare
 (``IdleCores``): on a machine its clients and workers keep busy, a spinning broker would take
-their CPU.
+their CPU; and only while its messages carry few jobs each (``JobsPerMessage``): a wake-up
+saved is worth the same to a message of 64 jobs as to one of one, but spread over 64 jobs it is
+worth little, while the polling costs as much CPU per message (with 64-job messages, polling
+was a quarter of the broker's CPU per job, ``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ little late (a round trip's jitter) leave it as it is."""
 SPARE_CORES = 1.0
 """Idle cores (the broker's own polling counted as idle) the machine must have had over the
 last heartbeat interval for the broker to poll without sleeping."""
+SPIN_BELOW_JOBS_PER_MESSAGE = 8.0
+"""The broker polls without sleeping only while the messages it read over the last heartbeat
+interval carried fewer jobs than this on average (``JobsPerMessage``). One-job SUBMITs and
+their FINALs carry 1 to 2; batched clients' 64-job messages, and their workers' answers, tens."""
 
 
 class BusyPoll:
@@ -40,9 +47,12 @@ class BusyPoll:
     def window_s(self) -> float:
         return self.window if self.allowed else 0.0
 
-    def spare(self, idle_cores: float | None) -> None:
-        """The machine had ``idle_cores`` idle lately (None: unknown, poll as learnt)."""
-        self.allowed = idle_cores is None or idle_cores >= SPARE_CORES
+    def spare(self, idle_cores: float | None, jobs_per_message: float | None = None) -> None:
+        """The machine had ``idle_cores`` idle lately, and the messages read lately carried
+        ``jobs_per_message`` (None: unknown, poll as learnt)."""
+        self.allowed = (idle_cores is None or idle_cores >= SPARE_CORES) and (
+            jobs_per_message is None or jobs_per_message < SPIN_BELOW_JOBS_PER_MESSAGE
+        )
 
     def hit(self) -> None:
         """A message came while polling: polling paid off; keep (or widen) the window."""
@@ -59,6 +69,22 @@ class BusyPoll:
     def _grow(self) -> None:
         if self.max_s > 0:
             self.window = min(self.max_s, max(GROW_START_S, 2 * self.window))
+
+
+class JobsPerMessage:
+    """How many jobs the messages the broker read carried, between two calls of ``sample``:
+    jobs submitted plus jobs completed (a job comes in once and its result once) over messages
+    read (every command counts: heartbeats too). None while no message came."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int] | None = None
+
+    def sample(self, jobs: int, messages: int) -> float | None:
+        """``jobs``: submitted + completed so far; ``messages``: messages read so far."""
+        last, self._last = self._last, (jobs, messages)
+        if last is None or messages <= last[1]:
+            return None
+        return (jobs - last[0]) / (messages - last[1])
 
 
 def cpu_times(stat: str) -> tuple[float, float]:

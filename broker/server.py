@@ -33,7 +33,7 @@ from zmq_rollout.curve import (
 )
 from zmq_rollout.errors import ConfigError, ProtocolError
 
-from .busy_poll import BusyPoll, IdleCores
+from .busy_poll import BusyPoll, IdleCores, JobsPerMessage
 from .outbox import CLIENT, WORKER
 from .packing import PACK_STEP, SPREAD, Packing
 from .salvage import split_submit, submit_ids
@@ -115,6 +115,9 @@ class Broker:
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
         self._packing = Packing(self.pack_step())
+        self._spin: BusyPoll | None = None
+        """The busy polling of a running loop (``run``; None: it sleeps at once)."""
+        self._idle, self._carried = IdleCores(), JobsPerMessage()
         self._metrics_server: Any = None
         if self.config.metrics_port is not None:
             from .metrics import serve_metrics
@@ -187,8 +190,7 @@ class Broker:
         next_tick = time.monotonic() + interval
         self._packing = Packing(self.pack_step())  # on the thread that runs the loop
         max_spin = self.busy_poll_s()
-        spin = BusyPoll(max_spin) if max_spin > 0 else None
-        idle = IdleCores()
+        spin = self._spin = BusyPoll(max_spin) if max_spin > 0 else None
         busy = False
         try:
             while not self._stop.is_set():
@@ -213,8 +215,6 @@ class Broker:
                 if now >= next_tick:
                     self.tick(now)
                     next_tick = now + interval
-                    if spin is not None:
-                        spin.spare(idle.sample(now, self.scheduler.stats.busy_poll_s))
                 self.scheduler.wake(now)
                 self._flush(now)
                 self._packing.worked(time.monotonic() - now)  # this pass's work, its polling apart
@@ -226,12 +226,17 @@ class Broker:
 
     def tick(self, now: float) -> None:
         """Once per heartbeat interval: the scheduler's expiry and heartbeats, and whether to
-        pack jobs in the next interval (``packing.py``)."""
+        pack jobs (``packing.py``) and poll without sleeping (``busy_poll.py``) in the next."""
         self.scheduler.tick(now)
         self._forget_split(now)
         step = self._packing.review(now)
         self.scheduler.set_pack_step(step)
         stats = self.scheduler.stats
+        if self._spin is not None:  # poll without sleeping in the next interval? (``busy_poll.py``)
+            self._spin.spare(
+                self._idle.sample(now, stats.busy_poll_s),
+                self._carried.sample(stats.submitted + stats.completed, stats.messages_received),
+            )
         stats.busy, stats.packing = self._packing.busy, self._packing.packing
         stats.split_peers = len(self._split)
 

@@ -10,7 +10,16 @@ import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
-from zmq_rollout.broker.busy_poll import GROW_START_S, SHRINK_AFTER, BusyPoll, IdleCores, cpu_times, idle_cores
+from zmq_rollout.broker.busy_poll import (
+    GROW_START_S,
+    SHRINK_AFTER,
+    SPIN_BELOW_JOBS_PER_MESSAGE,
+    BusyPoll,
+    IdleCores,
+    JobsPerMessage,
+    cpu_times,
+    idle_cores,
+)
 from zmq_rollout.broker.metrics import SchedulerCollector
 from zmq_rollout.broker.server import BUSY_POLL_US, Broker
 from zmq_rollout.config import BrokerConfig
@@ -64,6 +73,27 @@ def test_no_polling_without_a_spare_core_nor_with_a_zero_maximum() -> None:
         BusyPoll(-1.0)
 
 
+def test_no_polling_while_messages_carry_many_jobs_each() -> None:
+    spin = BusyPoll(MAX)
+    spin.spare(1.5, 1.9)  # one-job SUBMITs and their FINALs: polling pays
+    assert spin.window_s() == MAX
+    spin.spare(1.5, SPIN_BELOW_JOBS_PER_MESSAGE)  # batched: a wake-up is little per job
+    assert spin.window_s() == 0.0
+    spin.spare(1.5, None)  # no message came: as learnt
+    assert spin.window_s() == MAX
+    spin.spare(0.5, 1.0)  # few jobs a message, but no spare core
+    assert spin.window_s() == 0.0
+
+
+def test_jobs_per_message_between_samples() -> None:
+    carried = JobsPerMessage()
+    assert carried.sample(0, 0) is None  # nothing to compare with yet
+    assert carried.sample(128, 4) == 32.0  # 2 SUBMITs of 64 jobs in, 2 FINALs of 64 back
+    assert carried.sample(128, 4) is None  # no message since
+    assert carried.sample(138, 14) == 1.0  # 5 one-job SUBMITs and 5 FINALs
+    assert carried.sample(138, 16) == 0.0  # heartbeats only
+
+
 def test_idle_cores_from_proc_stat(tmp_path: Path) -> None:
     line = "cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n"
     assert cpu_times(line) == (850.0, 1000.0)
@@ -95,6 +125,24 @@ def test_the_default_spins_in_a_brokers_own_process_only() -> None:
         broker._release()
     with pytest.raises(ValueError, match="busy_poll_us"):
         BrokerConfig(busy_poll_us=-5)
+
+
+def test_each_tick_decides_the_polling_from_idle_cores_and_jobs_per_message() -> None:
+    broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    try:
+        spin = broker._spin = BusyPoll(MAX)
+        broker._idle.sample = lambda now, spun: 1.5  # type: ignore[method-assign]  # a core to spare
+        stats = broker.scheduler.stats
+        broker.tick(1.0)  # the first sample: nothing to compare with, poll as learnt
+        assert spin.window_s() == MAX
+        stats.submitted, stats.completed, stats.messages_received = 640, 640, 20  # 64 jobs a message
+        broker.tick(2.0)
+        assert spin.window_s() == 0.0
+        stats.submitted, stats.completed, stats.messages_received = 650, 650, 40  # one-job messages
+        broker.tick(3.0)
+        assert spin.window_s() == MAX
+    finally:
+        broker._release()
 
 
 def test_the_loop_polls_then_sleeps_and_counts_the_polling() -> None:
