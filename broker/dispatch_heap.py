@@ -40,6 +40,10 @@ class DispatchHeap:
         self.step = 1
         """1: least loaded first; more while the broker packs (``set_step``)."""
         self._stale = True
+        self.kept: Entry | None = None
+        """The entry of the worker a dispatch pass gave its last job (``offer_next``), not on
+        the heap yet: the next ``pick`` weighs it against the heap's first. A pass goes on while
+        the heap or this holds a worker."""
 
     def invalidate(self) -> None:
         """Which workers may take jobs, or their credits, changed: rebuild before the next pick."""
@@ -65,10 +69,32 @@ class DispatchHeap:
             else:
                 heapq.heappush(heap, (w.credits_used // self.step, -w.last_pick, w.identity, w))
 
+    def offer_next(self, w: WorkerState, num_workers: int) -> None:
+        """As ``offer``, for the worker a dispatch pass just gave a job: its entry waits for the
+        next ``pick`` instead of going on the heap, and that pick takes it at no cost while it is
+        still first in order (``heapq.heappushpop``): a worker that takes job after job (the only
+        one, or packing) costs no heap operation per job. The pass ends with ``settle``."""
+        self.settle()
+        if w.accepting and w.credits_used < w.credits:
+            if len(self.entries) > 2 * num_workers + 64:
+                self.entries.clear()
+                self._stale = True
+            elif self.step == 1:  # entry(), inline for the usual case
+                self.kept = (w.credits_used / w.credits, w.last_pick, w.identity, w)
+            else:
+                self.kept = (w.credits_used // self.step, -w.last_pick, w.identity, w)
+
+    def settle(self) -> None:
+        """Put the entry ``offer_next`` kept aside on the heap: before anything else reads the heap."""
+        if self.kept is not None:
+            heapq.heappush(self.entries, self.kept)
+            self.kept = None
+
     def current(self, workers: Iterable[WorkerState]) -> Heap:
         """The heap, rebuilt from ``workers`` first if something rare changed."""
         if self._stale:
             self._stale = False
+            self.kept = None
             step = self.step
             self.entries = [entry(w, step) for w in workers if w.accepting and w.credits_free > 0]
             heapq.heapify(self.entries)
@@ -82,8 +108,12 @@ class DispatchHeap:
         skipped = []
         found = None
         step = self.step
-        while heap:
-            item = heapq.heappop(heap)
+        kept, self.kept = self.kept, None
+        while heap or kept is not None:
+            if kept is not None:  # the smaller of it and the heap's first; the other stays on the heap
+                item, kept = heapq.heappushpop(heap, kept), None
+            else:
+                item = heapq.heappop(heap)
             w = item[3]
             used, credits = w.credits_used, w.credits
             if used >= credits or not w.accepting:

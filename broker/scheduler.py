@@ -477,18 +477,20 @@ class Scheduler:
         self._unhold(self.affinity.release_due(now))
         if not self._waiting:
             return
-        heap = self._heap.current(self.workers.values())
+        dispatch_heap = self._heap
+        heap = dispatch_heap.current(self.workers.values())
         blocked: list[ClientState] = []
         waiting = self._waiting
         held = self.affinity.held_clients
-        pick = self._heap.pick
+        pick = dispatch_heap.pick
         jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
         submitted: dict[float, int] = {}  # jobs dispatched per submission time (one queue wait each)
-        while waiting and heap:
+        while waiting and (heap or dispatch_heap.kept):
             client = waiting.popleft()
             queue = client.queue
             head = queue[0] if queue else None
             if head is None or head.cancelled or head.spec.session_id is not None or client.identity in held:
+                dispatch_heap.settle()  # what follows reads the heap whole
                 found = self._next(client, heap, now)  # sessions, held turns, cancelled jobs
                 if found is None:
                     if client.queue or client.identity in held:
@@ -501,11 +503,12 @@ class Scheduler:
                     blocked.append(client)
                     continue
                 job, worker = self._dequeue(client, queue.popleft()), found_worker
-            self._assign(worker, client, job, now, jobs_to)  # its new entry is on the heap
+            self._assign(worker, client, job, now, jobs_to)  # its new entry is kept for the next pick
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
             if client.queue or client.identity in held:
                 waiting.append(client)
+        dispatch_heap.settle()
         waiting.extendleft(reversed(blocked))
         wait = self.stats.queue_wait
         for at, n in submitted.items():
@@ -554,7 +557,6 @@ class Scheduler:
         ticket = job.ticket = worker.last_pick = next(self._tickets)
         spec = job.spec
         job.attempts += 1
-        job.dispatched_at = now
         job.dispatched_version = worker.weight_version
         worker.running[ticket] = job
         worker.credits_used += job.cost
@@ -565,7 +567,7 @@ class Scheduler:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
             worker.jobs_sent_at = now
         out.append(p.AssignmentRelay(ticket, spec))
-        self._heap.offer(worker, len(self.workers))  # as _offer, one call less per job
+        self._heap.offer_next(worker, len(self.workers))  # kept for the next pick (dispatch_heap.py)
         if spec.session_id is not None:
             self.affinity.dispatched(client.identity, job, identity, now)
 

@@ -25,7 +25,6 @@ class Job:
     cost: int
     """Credits it occupies on a worker while it runs: its ``sampling.n``."""
     ticket: int = 0
-    dispatched_at: float = 0.0
     dispatched_version: int = 0
     """Its worker's weight version when dispatched: a result of another version crossed a sync."""
     attempts: int = 0

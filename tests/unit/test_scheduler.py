@@ -769,6 +769,37 @@ def test_packing_fills_a_worker_by_a_step_before_the_next_gets_any() -> None:
     assert all(s.workers[w].credits_used <= 8 for w in workers)
 
 
+def test_a_worker_that_stays_first_takes_job_after_job_without_heap_operations(monkeypatch: Any) -> None:
+    """``DispatchHeap.offer_next``: the worker just given a job is weighed against the heap's
+    first at the next pick, not pushed and popped again: packing 64 jobs onto one of 8 workers
+    pushes nothing per job, and the pass still ends with every worker on the heap."""
+    import heapq
+
+    from zmq_rollout.broker import dispatch_heap
+
+    s = make()
+    workers = [f"w{i}".encode() for i in range(8)]
+    for w in workers:
+        ready(s, w, 64)
+    s.set_pack_step(64)
+    s.submit(A, jobs("warm", 1), now=0.0)  # builds the heap
+    s.outbox.take()
+    pushes: list[Any] = []
+    real_push = heapq.heappush
+    monkeypatch.setattr(dispatch_heap.heapq, "heappush", lambda h, x: (pushes.append(x), real_push(h, x)))
+    s.submit(A, jobs("a", 63), now=0.1)
+    sent = s.outbox.take()
+    assert [len(assigned(sent, w)) for w in workers] == [63] + [0] * 7  # the warm job's worker, to its step
+    assert pushes == []  # the last job filled it: nothing to put back
+    s.submit(A, jobs("b", 8), now=0.2)  # the next step goes to one other worker, whole
+    sent = s.outbox.take()
+    assert [len(assigned(sent, w)) for w in workers] == [0, 8] + [0] * 6
+    assert [entry[2] for entry in pushes] == [workers[1]]  # its entry, once, at the end of the pass
+    s.submit(A, jobs("c", 4), now=0.3)  # and the heap has it: it takes the next jobs too
+    sent = s.outbox.take()
+    assert [len(assigned(sent, w)) for w in workers] == [0, 4] + [0] * 6
+
+
 def test_packing_never_overruns_credits_and_keeps_clients_fair() -> None:
     s = make()
     ready(s, W1, 3)
