@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import socket
 import statistics
 import threading
 import time
@@ -31,6 +32,9 @@ from typing import Any
 import psutil
 from gpu_e2e import batches, log, sampling, summarize, worker_config
 
+from zmq_rollout.gc_pauses import GENERATIONS, GcClock, process_clock
+from zmq_rollout.scrape import fetch_metrics
+
 
 def _cpu(proc: psutil.Process) -> float:
     try:
@@ -38,6 +42,22 @@ def _cpu(proc: psutil.Process) -> float:
         return t.user + t.system
     except psutil.Error:
         return 0.0
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def gc_seconds(here: GcClock, worker_metrics_port: int) -> dict[str, float]:
+    """Seconds of Python garbage collection so far, by process and generation: this process's
+    (``here``) and the worker's (its ``zmq_rollout_worker_gc_seconds_total``; absent if unread)."""
+    out = {f"here_gen{g}": here.seconds[g] for g in GENERATIONS}
+    scrape = fetch_metrics(f"http://127.0.0.1:{worker_metrics_port}/metrics", 5.0)
+    for labels, value in scrape.find("zmq_rollout_worker_gc_seconds_total"):
+        out[f"worker_gen{labels['generation']}"] = value
+    return out
 
 
 class Cpu:
@@ -124,7 +144,8 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_gib": cfg.kv_cache_gib,
                  "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
                  "enforce_eager": cfg.enforce_eager, "attention_backend": cfg.attention_backend,
-                 "seed": cfg.seed}  # fmt: skip
+                 "seed": cfg.seed, "metrics_port": free_port()}  # fmt: skip
+    gc_here = process_clock()  # this process: the client, the broker thread and the direct front end
     os.makedirs(args.log_dir, exist_ok=True)
     cluster = LocalCluster(args.model, num_workers=1, worker_overrides=overrides, log_dir=args.log_dir,
                            worker_niceness=0)  # fmt: skip
@@ -181,15 +202,17 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
             assert list(sides)[:2] == ["direct", "service"], "--sides starts with direct,service"
 
             async def measure(side: str, label: str, prompts: Any, seeds: Any, max_tokens: int) -> dict[str, Any]:
-                before = cpu.snapshot()
+                before, gc_before = cpu.snapshot(), gc_seconds(gc_here, overrides["metrics_port"])
                 t0 = time.perf_counter()
                 tokens = await sides[side](label, prompts, seeds, max_tokens)
                 wall = time.perf_counter() - t0
                 row = summarize(f"{side} {label}", sum(map(len, tokens)), wall, len(prompts) * max_tokens)
                 row["cpu_s"] = Cpu.delta(before, cpu.snapshot())
+                row["gc_s"] = Cpu.delta(gc_before, gc_seconds(gc_here, overrides["metrics_port"]))
                 row["side"] = side
                 row["first_tokens"] = tokens
                 log("    cpu s: " + ", ".join(f"{k} {v:.2f}" for k, v in row["cpu_s"].items()))
+                log("    gc s: " + ", ".join(f"{k} {v:.3f}" for k, v in row["gc_s"].items()))
                 return row
 
             warm, *measured = work
@@ -231,13 +254,17 @@ def report(data: dict[str, Any]) -> None:
     """The pairs as a table: tok/s of each side, the ratio, and CPU seconds per process."""
     print()
     print(f"{'pair':>4} {'order':>16} {'direct tok/s':>13} {'service tok/s':>14} {'ratio':>7}   "
-          "CPU s, direct batch | service batch: frontend/client, broker, worker, its core, direct core")  # fmt: skip
+          "CPU s, direct batch | service batch: frontend/client, broker, worker, its core, direct core; "
+          "GC s: direct's front end | the worker")  # fmt: skip
     for pr in data["pairs"]:
         d, s = pr["direct"], pr["service"]
         cpu = " | ".join(" ".join(f"{v:.1f}" for v in row["cpu_s"].values()) for row in (d, s))
         order = ">".join(x[0] for x in pr["order"])
+        gc_s = f"{sum(v for k, v in d['gc_s'].items() if k.startswith('here')):.2f} | " + (
+            f"{sum(v for k, v in s['gc_s'].items() if k.startswith('worker')):.2f}"
+        )
         print(f"{pr['pair']:>4} {order:>16} {d['tokens_per_s']:>13,.0f} {s['tokens_per_s']:>14,.0f} "
-              f"{pr['ratio']:>7.2%}   {cpu}")  # fmt: skip
+              f"{pr['ratio']:>7.2%}   {cpu}; GC {gc_s}")  # fmt: skip
     verdict = "MET" if data["pairs_at_goal"] == len(data["pairs"]) and len(data["pairs"]) >= 3 else "NOT MET"
     print(f"ratio service/direct: min {data['ratio_min']:.2%}, median {data['ratio_median']:.2%}; "
           f"{data['pairs_at_goal']}/{len(data['pairs'])} pairs >= 98% -> goal {verdict}")  # fmt: skip

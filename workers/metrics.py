@@ -3,8 +3,12 @@ and its engine's ``vllm:`` families (``vllm_metrics.py``). docs/metrics.md lists
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from zmq_rollout.gc_pauses import GENERATIONS, GcClock, process_clock
 from zmq_rollout.metrics import MetricsServer, start_metrics_server
 
 from .vllm_metrics import VllmCollector
@@ -12,10 +16,35 @@ from .vllm_metrics import VllmCollector
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+class GcCollector:
+    """The worker process's garbage collections (``gc_pauses.py``), read at scrape time."""
+
+    def __init__(self, clock: GcClock) -> None:
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        seconds = CounterMetricFamily(
+            "zmq_rollout_worker_gc_seconds",
+            "Seconds the worker process spent in Python garbage collection, by generation (its event loop waits).",
+            labels=["generation"],
+        )
+        collections = CounterMetricFamily(
+            "zmq_rollout_worker_gc_collections",
+            "Python garbage collections in the worker process, by generation (2: full).",
+            labels=["generation"],
+        )
+        for g in GENERATIONS:
+            seconds.add_metric([str(g)], self.clock.seconds[g])
+            collections.add_metric([str(g)], self.clock.collections[g])
+        yield seconds
+        yield collections
+
+
 class WorkerMetrics:
     def __init__(self, worker: str = "", vllm_source: CollectorRegistry | None = None) -> None:
         """``vllm_source``: the registry its engine's vLLM metrics are in, served here labelled ``worker``."""
         self.registry = CollectorRegistry()
+        self.registry.register(GcCollector(process_clock()))
         if vllm_source is not None:
             self.registry.register(VllmCollector(worker, vllm_source))
         self.tokens = Counter(

@@ -30,7 +30,7 @@ PACKAGE_DIRS = {"zmq_rollout": ROOT / "zmq_rollout", "zmq_rollout.broker": ROOT 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("zmq_rollout.protocol", "zmq_rollout.codec", "zmq_rollout.errors", "zmq_rollout.config",
               "zmq_rollout.settings", "zmq_rollout.batching", "zmq_rollout.metrics", "zmq_rollout.tiny_model",
-              "zmq_rollout.curve", "zmq_rollout.scrape")),
+              "zmq_rollout.curve", "zmq_rollout.scrape", "zmq_rollout.gc_pauses")),
     ("data plane", ("zmq_rollout.weight_sync",)),
     ("client", ("zmq_rollout.client", "zmq_rollout.blocking", "zmq_rollout.rollouts", "zmq_rollout.testing",
                 "zmq_rollout.fuzzing", "zmq_rollout.fuzz_peers", "zmq_rollout.sync_methods",
