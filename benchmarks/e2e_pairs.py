@@ -189,23 +189,28 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
                 return [list(r.samples[0].token_ids) for r in results]
 
             async def direct_frozen(label: str, prompts: Any, seeds: Any, max_tokens: int) -> list[Any]:
-                """``direct`` with this process's heap frozen for the batch, as the worker's is."""
-                gc.collect()
-                gc.freeze()
-                try:
-                    return await direct(label, prompts, seeds, max_tokens)
-                finally:
-                    gc.unfreeze()
+                """``direct`` with this process's heap frozen for the batch, as the worker's is
+                (``measure`` freezes it before the clock starts: the collection that comes
+                first is not the batch's)."""
+                return await direct(label, prompts, seeds, max_tokens)
 
             every = {"direct": direct, "service": service, "direct_frozen": direct_frozen}
             sides = {name: every[name] for name in args.sides.split(",")}
             assert list(sides)[:2] == ["direct", "service"], "--sides starts with direct,service"
 
             async def measure(side: str, label: str, prompts: Any, seeds: Any, max_tokens: int) -> dict[str, Any]:
+                frozen = side == "direct_frozen"
+                if frozen:
+                    gc.collect()
+                    gc.freeze()
                 before, gc_before = cpu.snapshot(), gc_seconds(gc_here, overrides["metrics_port"])
                 t0 = time.perf_counter()
-                tokens = await sides[side](label, prompts, seeds, max_tokens)
-                wall = time.perf_counter() - t0
+                try:
+                    tokens = await sides[side](label, prompts, seeds, max_tokens)
+                finally:
+                    wall = time.perf_counter() - t0
+                    if frozen:
+                        gc.unfreeze()
                 row = summarize(f"{side} {label}", sum(map(len, tokens)), wall, len(prompts) * max_tokens)
                 row["cpu_s"] = Cpu.delta(before, cpu.snapshot())
                 row["gc_s"] = Cpu.delta(gc_before, gc_seconds(gc_here, overrides["metrics_port"]))
