@@ -125,11 +125,13 @@ def _socket(kind: int, address: str, *, bind: bool = False, identity: str = "") 
 
 
 # -- servers ---------------------------------------------------------------------------------
-def broker_options() -> dict[str, Any]:
-    """``BrokerConfig`` settings the benchmark's command line gave its brokers (``--broker-config``)."""
+def broker_options(env: str = BROKER_CONFIG_ENV) -> dict[str, Any]:
+    """``BrokerConfig`` settings the benchmark's command line gave its brokers (``--broker-config``).
+    Self-contained: ``tree_command`` runs its source in a bare interpreter."""
     import json
+    import os
 
-    return dict(json.loads(os.environ.get(BROKER_CONFIG_ENV) or "{}"))
+    return dict(json.loads(os.environ.get(env) or "{}"))
 
 
 @role
@@ -340,9 +342,9 @@ def tree_command(tree: str, call: str) -> list[str]:
     import inspect
     import sys
 
-    functions = (wire_fingerprint, use_tree, tree_files, tree_broker, tree_scheduler)
+    functions = (wire_fingerprint, use_tree, tree_files, broker_options, tree_broker, tree_scheduler)
     source = "\n\n".join(
-        ["from __future__ import annotations", "from typing import Any"]
+        ["from __future__ import annotations", "from typing import Any", f"BROKER_CONFIG_ENV = {BROKER_CONFIG_ENV!r}"]
         + [inspect.getsource(fn) for fn in functions]
         + [call]
     )
