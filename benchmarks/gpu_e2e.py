@@ -321,6 +321,13 @@ def main() -> None:
         help="pairs: the sides of each pair in turn: direct,service, then optionally direct_frozen (its heap frozen)",
     )
     ap.add_argument(
+        "--vllm-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pairs: the service's worker keeps vLLM's statistics, as a worker with --metrics-port does "
+        "(default: it serves /metrics, read for its GC time, with --no-vllm-metrics)",
+    )
+    ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=True,

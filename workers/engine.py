@@ -98,16 +98,25 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def stat_loggers_for(config: WorkerConfig) -> list[Any]:
+    """vLLM's ``stat_loggers`` for this worker: its Prometheus logger when the worker serves
+    ``/metrics`` with vLLM's families (``WorkerConfig.vllm_metrics``); else none, and vLLM
+    keeps no statistics (they cost its front end CPU per step and token)."""
+    from .vllm_metrics import stat_loggers
+
+    return stat_loggers() if config.metrics_port is not None and config.vllm_metrics else []
+
+
 class Engine:
     """An AsyncLLM plus what the worker needs around it: tokenizing, limits, results."""
 
     def __init__(self, config: WorkerConfig) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from .vllm_metrics import stat_loggers, vllm_registry
+        from .vllm_metrics import vllm_registry
 
         self.config = config
-        loggers = stat_loggers() if config.metrics_port is not None else []  # no /metrics: no statistics
+        loggers = stat_loggers_for(config)
         try:
             self.llm = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=loggers or None)
         except Exception as exc:

@@ -62,8 +62,9 @@ class BrokerConfig:
     """After a pass that handled messages, poll without sleeping for up to this many microseconds: a reply that
     comes back meanwhile (a worker's result for the job just sent) is read by a running broker instead of waking a
     sleeping one, about 150 us less per round trip. Costs up to that much CPU per quiet gap (counted in
-    zmq_rollout_broker_busy_poll_seconds_total). 0: never; default: 250 in its own process, 0 on a thread of another
-    process's (BrokerThread), where spinning would take the GIL from that process's threads."""
+    zmq_rollout_broker_busy_poll_seconds_total); it polls only while the machine has a core to spare and its messages
+    carry fewer than 8 jobs each. 0: never; default: 250 in its own process, 0 on a thread of another process's
+    (BrokerThread), where spinning would take the GIL from that process's threads."""
     pack_step: int | None = None
     """While the broker spends over half of its time working (it, not the engines, sets the pace), a worker takes up
     to this many more credits of jobs before the next gets any, so that jobs travel in blocks (a job costs about
@@ -164,6 +165,10 @@ class WorkerConfig:
     """Port of this worker's /metrics (with --gpus, engine i uses this + i; none: no endpoint)."""
     metrics_host: str = "127.0.0.1"
     """Interface of this worker's /metrics (0.0.0.0 opens it to every network; the deploy files do)."""
+    vllm_metrics: bool = True
+    """With metrics_port: serve the engine's own vllm: families too. vLLM keeps those statistics in its front end,
+    in the worker's process, per step and token (a few % of a busy worker's CPU: benchmarks/README.md);
+    --no-vllm-metrics serves only zmq_rollout_worker_*."""
     seed: int = 0
     """vLLM's engine seed."""
     enable_lora: bool = False

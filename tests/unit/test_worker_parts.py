@@ -204,3 +204,14 @@ def test_a_load_over_another_transport_unmaps_the_trainers_cuda_ipc_memory() -> 
         segment.unlink()
     assert loader.loaded == [[1.5, -2.0]]
     assert len(receiver.ipc) == 0 and not receiver.ipc._events and forgotten == [set()]
+
+
+def test_vllm_keeps_statistics_only_for_a_metrics_endpoint_that_serves_them() -> None:
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from zmq_rollout.config import WorkerConfig
+    from zmq_rollout.workers.engine import stat_loggers_for
+
+    assert stat_loggers_for(WorkerConfig(model="m")) == []  # no /metrics
+    assert stat_loggers_for(WorkerConfig(model="m", metrics_port=9200)) == [PrometheusStatLogger]
+    assert stat_loggers_for(WorkerConfig(model="m", metrics_port=9200, vllm_metrics=False)) == []
