@@ -167,8 +167,8 @@ class WorkerConfig:
     """Interface of this worker's /metrics (0.0.0.0 opens it to every network; the deploy files do)."""
     vllm_metrics: bool = True
     """With metrics_port: serve the engine's own vllm: families too. vLLM keeps those statistics in its front end,
-    in the worker's process, per step and token (a few % of a busy worker's CPU: benchmarks/README.md);
-    --no-vllm-metrics serves only zmq_rollout_worker_*."""
+    in the worker's process, per step and token (about a tenth more of a busy worker's CPU at 0.5B and 512
+    sequences: benchmarks/README.md); --no-vllm-metrics serves only zmq_rollout_worker_*."""
     seed: int = 0
     """vLLM's engine seed."""
     enable_lora: bool = False
