@@ -1,0 +1,107 @@
+"""Where the broker's per-job CPU goes with 64 jobs a message, phase by phase, in one process.
+
+    python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1]
+
+No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
+loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
+64 jobs (100-character prompts, as ``broker_throughput.py``'s clients send) is decoded,
+submitted, dispatched and its JOBS encoded; then one FINAL per JOBS message (one 4-token
+sample per job, as the echo doubles answer) is decoded, handed to ``worker_final`` and the
+client's FINAL encoded. Each phase is timed by this thread's CPU time (``time.thread_time``),
+building the inputs is not. Prints us per job per phase, each phase's share, and the total
+against the issue's budget (issue 12, goal 1: 3 us per job for everything the broker does,
+sockets and polling included, which this leaves out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+from zmq_rollout import codec
+from zmq_rollout import protocol as p
+from zmq_rollout.broker.scheduler import Scheduler
+from zmq_rollout.config import BrokerConfig
+
+BATCH = 64
+GOAL_US_PER_JOB = 3.0
+PHASES = ("decode SUBMIT", "submit", "dispatch", "encode JOBS", "decode FINAL", "worker_final", "encode FINAL")
+
+
+def run(rounds: int, workers: int, pack_step: int) -> dict[str, float]:
+    s = Scheduler(BrokerConfig())
+    s.defer_dispatch = True
+    for w in range(workers):
+        s.worker_ready(f"w{w}".encode(), p.WorkerInfo(f"w{w}", "model", BATCH), 0.0)
+    s.set_pack_step(pack_step)
+    s.flush_dispatch(0.0)
+    s.outbox.take()
+    from_client, from_worker = codec.Decoder(codec.BROKER_FROM_CLIENT), codec.Decoder(codec.FROM_WORKER)
+    sampling, sample = p.SamplingParams(max_tokens=16), p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
+    spent = dict.fromkeys(PHASES, 0.0)
+    clock, now, jobs = time.thread_time, 0.0, 0
+    gc.collect()
+    for r in range(rounds):
+        now += 0.001
+        ids = [f"j{r}-{i}" for i in range(BATCH)]
+        submit = codec.encode(p.SUBMIT, [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids], packed=True)
+        t0 = clock()
+        message = from_client.decode(submit)
+        t1 = clock()
+        s.submit(b"client", message.body, now)
+        t2 = clock()
+        s.flush_dispatch(now)
+        t3 = clock()
+        out = s.outbox.take()
+        for _, _, command, body in out:
+            codec.encode(command, body, packed=True)
+        t4 = clock()
+        spent["decode SUBMIT"] += t1 - t0
+        spent["submit"] += t2 - t1
+        spent["dispatch"] += t3 - t2
+        spent["encode JOBS"] += t4 - t3
+        for _, worker, command, body in out:
+            if command != p.JOBS:
+                continue
+            results = [p.Result(a.ticket, [1, 2, 3, 4], [sample], 0, "w") for a in body]
+            final = codec.encode(p.FINAL, results, packed=True)
+            t0 = clock()
+            message = from_worker.decode(final)
+            t1 = clock()
+            s.worker_final(worker, message.body, now + 0.0005)
+            s.flush_dispatch(now)
+            t2 = clock()
+            for _, _, cmd, reply in s.outbox.take():
+                codec.encode(cmd, reply, packed=True)
+            t3 = clock()
+            spent["decode FINAL"] += t1 - t0
+            spent["worker_final"] += t2 - t1
+            spent["encode FINAL"] += t3 - t2
+        jobs += BATCH
+    if s.stats.completed != jobs:
+        raise RuntimeError(f"{s.stats.completed} of {jobs} jobs completed: the drive is wrong")
+    return {phase: seconds / jobs * 1e6 for phase, seconds in spent.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3000, help="SUBMITs of 64 jobs (default 3000)")
+    ap.add_argument("--workers", type=int, default=1, help="workers of 64 credits each (default 1)")
+    ap.add_argument("--pack-step", type=int, default=1, help="the dispatch step (1: least loaded first)")
+    ap.add_argument("--samples", type=int, default=3, help="runs; the one with the lowest total is printed")
+    args = ap.parse_args()
+    runs = [run(args.rounds, args.workers, args.pack_step) for _ in range(args.samples)]
+    best = min(runs, key=lambda r: sum(r.values()))
+    total = sum(best.values())
+    totals = ", ".join(f"{sum(r.values()):.2f}" for r in runs)
+    print(f"{args.rounds} SUBMITs of {BATCH} jobs, {args.workers} worker(s), pack step {args.pack_step}; "
+          f"best of {args.samples} runs (totals {totals} us/job)")  # fmt: skip
+    for phase in PHASES:
+        print(f"  {phase:<14} {best[phase]:6.3f} us/job  {best[phase] / total:6.1%}")
+    print(f"  {'total':<14} {total:6.3f} us/job; the goal's budget for the whole broker {GOAL_US_PER_JOB} us/job: "
+          f"{total / GOAL_US_PER_JOB:.2f}x of it before any socket, poll or loop")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
