@@ -76,9 +76,9 @@ def role(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 CURVE_ENV = "ZMQ_ROLLOUT_BENCH_KEYS"
+"""Set (to a keys folder) for a ``curve`` case: the broker requires CurveZMQ and every peer has keys."""
 BROKER_CONFIG_ENV = "ZMQ_ROLLOUT_BENCH_BROKER_CONFIG"
 """``BrokerConfig`` settings of the benchmark's brokers, as JSON (``--broker-config``; unset: the defaults)."""
-"""Set (to a keys folder) for a ``curve`` case: the broker requires CurveZMQ and every peer has keys."""
 
 
 def make_curve_keys(folder: str) -> str:
