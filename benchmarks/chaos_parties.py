@@ -16,7 +16,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,17 +27,12 @@ from typing import Any
 
 import chaos_roles
 import zmq
+from ports import free_port
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 
 log = logging.getLogger("chaos")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def status(frontend: str, timeout_s: float) -> p.StatusReply | None:

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import socket
 import statistics
 import threading
 import time
@@ -31,6 +30,7 @@ from typing import Any
 
 import psutil
 from gpu_e2e import batches, log, sampling, summarize, worker_config
+from ports import free_port
 
 from zmq_rollout.gc_pauses import GENERATIONS, GcClock, process_clock
 from zmq_rollout.scrape import fetch_metrics
@@ -42,12 +42,6 @@ def _cpu(proc: psutil.Process) -> float:
         return t.user + t.system
     except psutil.Error:
         return 0.0
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def gc_seconds(here: GcClock, worker_metrics_port: int) -> dict[str, float]:

@@ -33,7 +33,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ import time
 import urllib.request
 from collections import Counter
 from typing import Any
+
+from ports import free_port
 
 from zmq_rollout import SamplingParams
 from zmq_rollout import protocol as p
@@ -52,12 +53,6 @@ from zmq_rollout.testing import EchoWorkerDouble
 
 MIB = 1 << 20
 ROUND = 1000  # messages per port between the good client's submissions
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def metrics(port: int) -> dict[str, float]:

@@ -28,20 +28,15 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
+from ports import free_port
+
 PROMPT = "x" * 100
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_doubles(backend: str, num: int, credits: int) -> None:

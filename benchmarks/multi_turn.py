@@ -28,18 +28,13 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import free_port
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
