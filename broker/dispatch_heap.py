@@ -56,24 +56,17 @@ class DispatchHeap:
             self._stale = True
 
     def offer(self, w: WorkerState, num_workers: int) -> None:
-        """``w``'s load changed: its new place, if it may take a job (the old entry goes
-        stale). Past twice ``num_workers`` entries the heap is dropped and rebuilt at the next
-        dispatch."""
-        if w.accepting and w.credits_used < w.credits:
-            heap = self.entries
-            if len(heap) > 2 * num_workers + 64:
-                heap.clear()
-                self._stale = True
-            elif self.step == 1:  # entry(), inline for the usual case
-                heapq.heappush(heap, (w.credits_used / w.credits, w.last_pick, w.identity, w))
-            else:
-                heapq.heappush(heap, (w.credits_used // self.step, -w.last_pick, w.identity, w))
+        """``w``'s load changed: its new place on the heap, now (outside a dispatch pass)."""
+        self.offer_next(w, num_workers)
+        self.settle()
 
     def offer_next(self, w: WorkerState, num_workers: int) -> None:
-        """As ``offer``, for the worker a dispatch pass just gave a job: its entry waits for the
-        next ``pick`` instead of going on the heap, and that pick takes it at no cost while it is
-        still first in order (``heapq.heappushpop``): a worker that takes job after job (the only
-        one, or packing) costs no heap operation per job. The pass ends with ``settle``."""
+        """``w``'s load changed: its new place, if it may take a job (the old entry goes stale;
+        past twice ``num_workers`` entries the heap is dropped and rebuilt at the next dispatch).
+        The entry waits for the next ``pick`` instead of going on the heap, and that pick takes
+        it at no cost while it is still first in order (``heapq.heappushpop``): a worker a pass
+        gives job after job (the only one, or packing) costs no heap operation per job. The
+        pass ends with ``settle``."""
         self.settle()
         if w.accepting and w.credits_used < w.credits:
             if len(self.entries) > 2 * num_workers + 64:
