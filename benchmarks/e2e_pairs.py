@@ -182,13 +182,10 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
                 results = await asyncio.wait_for(asyncio.gather(*(h.future for h in handles)), args.batch_timeout)
                 return [list(r.samples[0].token_ids) for r in results]
 
-            async def direct_frozen(label: str, prompts: Any, seeds: Any, max_tokens: int) -> list[Any]:
-                """``direct`` with this process's heap frozen for the batch, as the worker's is
-                (``measure`` freezes it before the clock starts: the collection that comes
-                first is not the batch's)."""
-                return await direct(label, prompts, seeds, max_tokens)
-
-            every = {"direct": direct, "service": service, "direct_frozen": direct_frozen}
+            # direct_frozen: ``direct`` with this process's heap frozen for the batch, as the
+            # worker's is; ``measure`` freezes it before the clock starts (the collection that
+            # comes first is not the batch's).
+            every = {"direct": direct, "service": service, "direct_frozen": direct}
             sides = {name: every[name] for name in args.sides.split(",")}
             assert list(sides)[:2] == ["direct", "service"], "--sides starts with direct,service"
 
