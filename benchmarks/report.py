@@ -30,6 +30,20 @@ and process wake-up, which the zmq.proxy reference below (raw 100 B, proxy vs. a
 ROUTER echo) isolates: what any broker process costs before running a line of Python."""
 
 
+def harness_ceiling(row: dict[str, Any], cores: int) -> tuple[float, float] | None:
+    """What the test doubles of a case allow, whatever the broker: their CPU per job (the
+    clients' and the echo workers' cores over the jobs per second, in us) and the jobs per
+    second that ``cores`` would give them with a broker that cost nothing. None when the case
+    has no such figures (HTTP has no workers; a case with no completed job)."""
+    cpu = row["cpu_cores"]
+    if row["jobs_per_s"] <= 0 or "workers" not in cpu or row["kind"] == "http":
+        return None
+    doubles_us = (cpu["workers"] + cpu["clients"]) / row["jobs_per_s"] * 1e6
+    if doubles_us <= 0:
+        return None
+    return doubles_us, cores * 1e6 / doubles_us
+
+
 def percentile_us(samples: list[int], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000
@@ -186,6 +200,12 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         f"  broker batched >= {GOAL_BATCHED_JOBS_PER_S:,} jobs/s (best of the matrix): "
         f"{verdict[goals['batched_ge_250k_jobs_per_s']]} ({best})"
     )
+    ceiling = harness_ceiling(best_batched, os.cpu_count() or 1) if best_batched else None
+    if ceiling is not None:
+        print(
+            f"    (its clients and echo workers, test doubles, used {ceiling[0]:.1f} us of CPU per job: on these "
+            f"{os.cpu_count()} cores they allow at most {ceiling[1]:,.0f} jobs/s with a broker that cost nothing)"
+        )
     vs_http = ratios["broker_batched_best/http_batched"]
     print(
         f"  broker batched >= {GOAL_BATCHED_VS_HTTP:.0f}x the HTTP endpoint's batched rate: "
@@ -213,6 +233,7 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         "proxy_added_latency_us": proxy_added,
         "ratios": ratios,
         "goals": goals,
+        "doubles_ceiling_jobs_per_s": None if ceiling is None else round(ceiling[1]),
         "elapsed_s": round(elapsed, 1),
     }
     print("RESULT " + json.dumps(result, separators=(",", ":")))

@@ -137,3 +137,15 @@ def test_thread_cpu_splits_libzmq_io_threads_from_the_rest() -> None:
     cpu = bs.thread_cpu(os.getpid())
     assert set(cpu) == {"io", "loop"}
     assert cpu["loop"] > 0.0
+
+
+def test_the_doubles_ceiling_is_the_cores_over_the_clients_and_workers_cpu_per_job() -> None:
+    import report
+
+    case = {"kind": "broker", "jobs_per_s": 80_000, "cpu_cores": {"server": 0.6, "workers": 0.56, "clients": 0.56}}
+    doubles_us, ceiling = report.harness_ceiling(case, cores=2) or (0.0, 0.0)
+    assert doubles_us == pytest.approx(14.0)  # 1.12 cores / 80,000 jobs/s
+    assert ceiling == pytest.approx(2e6 / 14.0)
+    assert report.harness_ceiling({**case, "jobs_per_s": 0}, cores=2) is None
+    http = {"kind": "http", "jobs_per_s": 60_000, "cpu_cores": {"server": 0.96, "clients": 0.8}}
+    assert report.harness_ceiling(http, cores=2) is None
