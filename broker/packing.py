@@ -30,9 +30,13 @@ SPREAD_BELOW = 0.25
 """Share of an interval below which a packing broker spreads again."""
 SPREAD = 1
 """The step of least loaded first: every credit of load counts."""
-PACK_STEP = 16
-"""``BrokerConfig.pack_step`` of a broker in its own process: a quarter of a worker's default
-credits (64), so that a job still lands on one of at least a quarter of the fleet's engines."""
+PACK_STEP = 64
+"""``BrokerConfig.pack_step`` of a broker in its own process: a worker's default credits
+(vLLM's ``max_num_seqs``), so that a busy broker fills a default worker before the next gets
+any and a client's block of 64 jobs goes out in one JOBS. A step of 16 (until 2026-12-04)
+sent JOBS of 13-15 jobs at 1,024 workers and cost the broker about a fifth more CPU per job
+there (benchmarks/README.md, "The pack step"). The price, more sequences on one engine while
+others idle, is paid only while the broker, not the engines, sets the pace."""
 
 
 class Packing:

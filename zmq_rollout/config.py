@@ -69,8 +69,9 @@ class BrokerConfig:
     """While the broker spends over half of its time working (it, not the engines, sets the pace), a worker takes up
     to this many more credits of jobs before the next gets any, so that jobs travel in blocks (a job costs about
     one message instead of three with many workers); below a quarter, least loaded first again. 1: always least
-    loaded first; default: 16 in its own process, 1 on a thread of another process's (BrokerThread), whose passes
-    also wait for that process's threads (docs/architecture.md, broker/packing.py)."""
+    loaded first; default: 64 (a default worker's credits) in its own process, 1 on a thread of another
+    process's (BrokerThread), whose passes also wait for that process's threads (docs/architecture.md,
+    broker/packing.py)."""
 
     def __post_init__(self) -> None:
         for name in ("affinity_wait_s", "session_idle_s"):
