@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import stack_samples
 from gpu_e2e import batches, log, sampling, summarize, worker_config
 from ports import free_port
 
@@ -195,13 +196,20 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
                     gc.collect()
                     gc.freeze()
                 before, gc_before = cpu.snapshot(), gc_seconds(gc_here, overrides["metrics_port"])
-                t0 = time.perf_counter()
-                try:
-                    tokens = await sides[side](label, prompts, seeds, max_tokens)
-                finally:
-                    wall = time.perf_counter() - t0
-                    if frozen:
-                        gc.unfreeze()
+                # --py-spy: the process that serves this side (the worker, or this one's front end)
+                profile = os.path.join(args.log_dir, f"profile-{side}-{label.replace(' ', '_')}.txt")
+                with stack_samples.sampled(args.py_spy, cpu.worker.pid if side == "service" else os.getpid(), profile):
+                    t0 = time.perf_counter()
+                    try:
+                        tokens = await sides[side](label, prompts, seeds, max_tokens)
+                    finally:
+                        wall = time.perf_counter() - t0
+                        if frozen:
+                            gc.unfreeze()
+                if args.py_spy and os.path.exists(profile):
+                    summary = stack_samples.summarize(profile, top=12)
+                    for line in stack_samples.report(f"py-spy, {side} {label}", summary):
+                        log(line)
                 row = summarize(f"{side} {label}", sum(map(len, tokens)), wall, len(prompts) * max_tokens)
                 row["cpu_s"] = Cpu.delta(before, cpu.snapshot())
                 row["gc_s"] = Cpu.delta(gc_before, gc_seconds(gc_here, overrides["metrics_port"]))

@@ -333,6 +333,14 @@ def main() -> None:
         default=True,
         help="pairs: each hot process on physical cores of its own",
     )
+    ap.add_argument(
+        "--py-spy",
+        default=None,
+        metavar="PATH",
+        help="pairs: sample the process serving each batch with this py-spy binary (the worker for the "
+        "service, this process for direct), into LOG_DIR/profile-SIDE-BATCH.txt, its summary in the log "
+        "(benchmarks/stack_samples.py)",
+    )
     ap.add_argument("--phase-timeout", type=float, default=400.0)
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--batch-timeout", type=float, default=300.0)

@@ -31,6 +31,7 @@ case "$WHAT" in
     timeout $LEFT python3 benchmarks/gpu_e2e.py --json-out $OUT/bench.json --phase-timeout 220 "$@" > $OUT/bench.log 2>&1
     echo "=== bench rc=$? at $(el) s"
     cp ${WORK_DIR:-/tmp/gpu_e2e}/logs/worker-0.log $OUT/bench_worker.log 2>/dev/null
+    cp ${WORK_DIR:-/tmp/gpu_e2e}/logs/profile-* $OUT/ 2>/dev/null  # --py-spy
     grep -E "^\[gpu_e2e|^  |^ *pair|^ratio|^GPU|^workload|RESULT|Error|Traceback" $OUT/bench.log | grep -v "^  File" | tail -40 ;;
   sync)
     # TAG names the outputs, so one call can run several (TAG=7b bash ... sync --shape 7b ...).

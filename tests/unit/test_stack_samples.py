@@ -1,0 +1,77 @@
+"""``benchmarks/stack_samples.py``: py-spy's raw stacks summarised, and a sampler that cannot
+start leaves the batch it wraps alone."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # as when run from there
+
+import stack_samples
+
+RAW = """\
+thread (11): MainThread;<module> (w.py:1);run (base_events.py:600);_run_once (base_events.py:1800);encode (c.py:4) 30
+thread (11): MainThread;<module> (w.py:1);run (base_events.py:600);_run_once (base_events.py:1800) 50
+thread (12): Thread-1 (serve);serve (metrics.py:10) 20
+garbage line without a count
+"""
+
+
+def test_own_inclusive_and_thread_shares_of_all_samples(tmp_path: Path) -> None:
+    path = tmp_path / "profile.txt"
+    path.write_text(RAW)
+    summary = stack_samples.summarize(path)
+    assert summary["samples"] == 100
+    assert summary["own"] == [
+        ("_run_once (base_events.py:1800)", 0.5),
+        ("encode (c.py:4)", 0.3),
+        ("serve (metrics.py:10)", 0.2),
+    ]
+    inclusive = dict(summary["inclusive"])
+    assert inclusive["run (base_events.py:600)"] == 0.8  # on both of the main thread's stacks
+    assert inclusive["encode (c.py:4)"] == 0.3
+    assert not any(name.startswith("thread (") for name in inclusive)
+    assert dict(summary["threads"]) == {"thread (11): MainThread": 0.8, "thread (12): Thread-1 (serve)": 0.2}
+    lines = stack_samples.report("worker", summary)
+    assert lines[0] == "worker: 100 samples at 200 Hz (on CPU)"
+    assert "     50.0%  _run_once (base_events.py:1800)" in lines
+
+
+def test_an_empty_profile_has_no_shares(tmp_path: Path) -> None:
+    path = tmp_path / "profile.txt"
+    path.write_text("")
+    assert stack_samples.summarize(path) == {"samples": 0, "own": [], "inclusive": [], "threads": []}
+
+
+def test_a_sampler_that_cannot_start_says_why_and_the_block_still_runs(tmp_path: Path) -> None:
+    path = tmp_path / "profile.txt"
+    ran = []
+    with stack_samples.sampled(str(tmp_path / "no-such-py-spy"), 1, str(path)):
+        ran.append(True)
+    assert ran == [True]
+    assert "py-spy did not start" in Path(f"{path}.err").read_text()
+    with stack_samples.sampled(None, 1, str(path)):
+        ran.append(True)
+    assert ran == [True, True]
+
+
+def test_a_block_that_raises_still_stops_the_sampler(tmp_path: Path) -> None:
+    fake = tmp_path / "py-spy"  # a stand-in that runs until SIGINT, as py-spy record does
+    fake.write_text(
+        "#!/bin/sh\n"
+        'trap \'echo stopped > "$(dirname "$0")/stopped"; exit 0\' INT\n'
+        'touch "$(dirname "$0")/ready"\n'
+        "while :; do sleep 0.05; done\n"
+    )
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError), stack_samples.sampled(str(fake), 1, str(tmp_path / "p.txt")):
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "ready").exists():  # the stand-in's trap is set
+            assert time.monotonic() < deadline, "the stand-in never started"
+            time.sleep(0.01)
+        raise RuntimeError("the batch failed")
+    assert (tmp_path / "stopped").read_text() == "stopped\n"
