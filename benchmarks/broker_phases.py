@@ -34,7 +34,7 @@ def run(rounds: int, workers: int, pack_step: int) -> dict[str, float]:
     s.defer_dispatch = True
     for w in range(workers):
         s.worker_ready(f"w{w}".encode(), p.WorkerInfo(f"w{w}", "model", BATCH), 0.0)
-    s.set_pack_step(pack_step)
+    s.set_dispatch_step(pack_step)
     s.flush_dispatch(0.0)
     s.outbox.take()
     from_client, from_worker = codec.Decoder(codec.BROKER_FROM_CLIENT), codec.Decoder(codec.FROM_WORKER)

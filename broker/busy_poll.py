@@ -17,7 +17,12 @@ was a quarter of the broker's CPU per job, ``benchmarks/README.md``).
 from __future__ import annotations
 
 import os
+import threading
 
+BUSY_POLL_US = 250
+"""``BrokerConfig.busy_poll_us`` of a broker in its own process: on these VMs a sleeping broker
+takes about 100 us longer to handle a message than a running one (its wake-up, and a CPU
+whose caches went cold), and a one-job round trip needs two of them."""
 GROW_START_S = 20e-6
 """The window a grown-from-nothing window starts at; below it a halved window is 0."""
 SHRINK_AFTER = 4
@@ -124,3 +129,13 @@ def idle_cores(idle_jiffies: float, total_jiffies: float, spin_s: float, interva
     """Idle cores over an interval of ``interval_s`` from its idle and total jiffies (all cores)
     and the seconds the broker polled in it."""
     return cores * idle_jiffies / total_jiffies + min(spin_s / interval_s, 1.0)
+
+
+def busy_poll_s(configured_us: int | None) -> float:
+    """Seconds to poll without sleeping after a busy pass, for a broker whose
+    ``BrokerConfig.busy_poll_us`` is ``configured_us``, on this thread: by default
+    ``BUSY_POLL_US`` on the main thread, which a broker's own process runs it on, and 0 on any
+    other, whose process's threads would wait for the GIL meanwhile."""
+    if configured_us is None:
+        configured_us = BUSY_POLL_US if threading.current_thread() is threading.main_thread() else 0
+    return configured_us / 1e6

@@ -21,6 +21,7 @@ Pure: the loop reports seconds of work and asks at each tick (tests/unit/test_pa
 from __future__ import annotations
 
 import logging
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -82,3 +83,13 @@ class Packing:
     @property
     def step(self) -> int:
         return self.pack_step if self.packing else SPREAD
+
+
+def pack_step(configured: int | None) -> int:
+    """The pack step of a broker whose ``BrokerConfig.pack_step`` is ``configured``, on this
+    thread: by default ``PACK_STEP`` on the main thread, which a broker's own process runs it
+    on, and never packing (``SPREAD``) on any other: a pass's time there includes waiting for
+    that process's other threads (the GIL), not only work."""
+    if configured is not None:
+        return configured
+    return PACK_STEP if threading.current_thread() is threading.main_thread() else SPREAD

@@ -177,11 +177,11 @@ class Scheduler:
         self._heap.invalidate()
 
     @property
-    def pack_step(self) -> int:
+    def dispatch_step(self) -> int:
         """Dispatch's step: 1 least loaded first; more while the socket loop packs (``packing.py``)."""
         return self._heap.step
 
-    def set_pack_step(self, step: int) -> None:
+    def set_dispatch_step(self, step: int) -> None:
         """Dispatch least loaded first (1) or packed in steps of ``step`` credits from now on."""
         self._heap.set_step(step)
 

@@ -33,19 +33,15 @@ from zmq_rollout.curve import (
 )
 from zmq_rollout.errors import ConfigError, ProtocolError
 
-from .busy_poll import BusyPoll, IdleCores, JobsPerMessage
+from .busy_poll import BusyPoll, IdleCores, JobsPerMessage, busy_poll_s
 from .outbox import CLIENT, WORKER
-from .packing import PACK_STEP, SPREAD, Packing
+from .packing import Packing, pack_step
 from .salvage import split_submit, submit_ids
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 _READ_BATCH = 256  # messages per socket per pass, so that neither side starves the other
-BUSY_POLL_US = 250
-"""``BrokerConfig.busy_poll_us`` of a broker in its own process: on these VMs a sleeping broker
-takes about 100 us longer to handle a message than a running one (its wake-up, and a CPU
-whose caches went cold), and a one-job round trip needs two of them."""
 # Plain ints: pyzmq's flag enums cost a conversion per call, and recv_multipart/send_multipart
 # an option lookup and checks per frame (half the broker's time per message, unbatched).
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -114,7 +110,7 @@ class Broker:
         self._from_client = codec.Decoder(codec.BROKER_FROM_CLIENT)
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
-        self._packing = Packing(self.pack_step())
+        self._packing = Packing(pack_step(self.config.pack_step))
         self._spin: BusyPoll | None = None
         """The busy polling of a running loop (``run``; None: it sleeps at once)."""
         self._idle, self._carried = IdleCores(), JobsPerMessage()
@@ -188,8 +184,8 @@ class Broker:
             poller.register(monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
-        self._packing = Packing(self.pack_step())  # on the thread that runs the loop
-        max_spin = self.busy_poll_s()
+        self._packing = Packing(pack_step(self.config.pack_step))  # on the thread that runs the loop
+        max_spin = busy_poll_s(self.config.busy_poll_us)
         spin = self._spin = BusyPoll(max_spin) if max_spin > 0 else None
         busy = False
         try:
@@ -230,7 +226,7 @@ class Broker:
         self.scheduler.tick(now)
         self._forget_split(now)
         step = self._packing.review(now)
-        self.scheduler.set_pack_step(step)
+        self.scheduler.set_dispatch_step(step)
         stats = self.scheduler.stats
         if self._spin is not None:  # poll without sleeping in the next interval? (``busy_poll.py``)
             self._spin.spare(
@@ -247,24 +243,6 @@ class Broker:
         for identity, seen in list(self._split.items()):
             if seen < before and identity not in sched.clients and identity not in sched.workers:
                 del self._split[identity]
-
-    def busy_poll_s(self) -> float:
-        """Seconds to poll without sleeping after a busy pass (``BrokerConfig.busy_poll_us``; by
-        default ``BUSY_POLL_US`` on the main thread, which a broker's own process runs it on,
-        and 0 on any other, whose process's threads would wait for the GIL meanwhile)."""
-        spin = self.config.busy_poll_us
-        if spin is None:
-            spin = BUSY_POLL_US if threading.current_thread() is threading.main_thread() else 0
-        return spin / 1e6
-
-    def pack_step(self) -> int:
-        """Credits a worker takes before the next while the broker packs (``BrokerConfig.pack_step``;
-        by default ``PACK_STEP`` on the main thread, which a broker's own process runs it on, and
-        never on any other: a pass's time there includes waiting for the GIL, not only work)."""
-        step = self.config.pack_step
-        if step is None:
-            step = PACK_STEP if threading.current_thread() is threading.main_thread() else SPREAD
-        return step
 
     def _poll(self, poller: zmq.Poller, timeout_ms: float, spin: BusyPoll | None) -> dict[Any, int]:
         """What is ready to read within ``timeout_ms``; after a busy pass (``spin``), polled

@@ -414,7 +414,7 @@ class Sim:
         rng, s = self.rng, self.s
         self.now += rng.uniform(0.0, 0.03)
         if self.packing and rng.random() < 0.05:
-            s.set_pack_step(rng.choice((1, 2, 4, 16)))
+            s.set_dispatch_step(rng.choice((1, 2, 4, 16)))
         event = rng.choices(
             ["turn", "plain", "final", "late", "join", "die", "credit", "cancel", "tick"],
             [30, 10, 40, 2, 2, 2, 3, 3, 2],
@@ -563,7 +563,7 @@ def test_random_interleavings_while_dispatch_switches_to_packing_and_back(seed: 
     steps = set()
     for _ in range(1500):
         sim.step()
-        steps.add(s.pack_step)
+        steps.add(s.dispatch_step)
     sim.drain()
     assert all(sim.ended[j] == 1 for j in sim.jobs)
     assert steps >= {1, 16}

@@ -11,17 +11,19 @@ import zmq
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.broker.busy_poll import (
+    BUSY_POLL_US,
     GROW_START_S,
     SHRINK_AFTER,
     SPIN_BELOW_JOBS_PER_MESSAGE,
     BusyPoll,
     IdleCores,
     JobsPerMessage,
+    busy_poll_s,
     cpu_times,
     idle_cores,
 )
 from zmq_rollout.broker.metrics import SchedulerCollector
-from zmq_rollout.broker.server import BUSY_POLL_US, Broker
+from zmq_rollout.broker.server import Broker
 from zmq_rollout.config import BrokerConfig
 
 MAX = 250e-6
@@ -111,18 +113,13 @@ def test_idle_cores_from_proc_stat(tmp_path: Path) -> None:
 
 
 def test_the_default_spins_in_a_brokers_own_process_only() -> None:
-    broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
-    try:
-        assert broker.busy_poll_s() == BUSY_POLL_US / 1e6  # this test runs on the main thread
-        seen: list[float] = []
-        thread = threading.Thread(target=lambda: seen.append(broker.busy_poll_s()))
-        thread.start()
-        thread.join()
-        assert seen == [0.0]  # a BrokerThread shares its process's GIL
-        broker.config.busy_poll_us = 40
-        assert broker.busy_poll_s() == 40e-6
-    finally:
-        broker._release()
+    assert busy_poll_s(None) == BUSY_POLL_US / 1e6  # this test runs on the main thread
+    seen: list[float] = []
+    thread = threading.Thread(target=lambda: seen.append(busy_poll_s(None)))
+    thread.start()
+    thread.join()
+    assert seen == [0.0]  # a BrokerThread shares its process's GIL
+    assert busy_poll_s(40) == 40e-6
     with pytest.raises(ValueError, match="busy_poll_us"):
         BrokerConfig(busy_poll_us=-5)
 

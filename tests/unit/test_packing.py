@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from zmq_rollout.broker.packing import PACK_ABOVE, PACK_STEP, SPREAD, SPREAD_BELOW, Packing
+from zmq_rollout.broker.packing import PACK_ABOVE, PACK_STEP, SPREAD, SPREAD_BELOW, Packing, pack_step
 from zmq_rollout.broker.server import Broker
 from zmq_rollout.config import BrokerConfig
 
@@ -61,10 +61,10 @@ def test_the_broker_tick_sets_the_schedulers_step_and_its_gauges() -> None:
         broker.tick(100.0)
         broker._packing.worked(0.9)
         broker.tick(101.0)
-        assert broker.scheduler.pack_step == 8
+        assert broker.scheduler.dispatch_step == 8
         assert broker.scheduler.stats.packing and broker.scheduler.stats.busy == pytest.approx(0.9)
         broker.tick(102.0)  # a second without work
-        assert broker.scheduler.pack_step == 1 and not broker.scheduler.stats.packing
+        assert broker.scheduler.dispatch_step == 1 and not broker.scheduler.stats.packing
     finally:
         broker._release()
 
@@ -74,15 +74,15 @@ def test_a_broker_packs_by_default_on_its_own_main_thread_and_never_on_another()
     for that process's threads (the GIL), so it would read as work: no packing there."""
     import threading
 
+    assert pack_step(None) == PACK_STEP  # this test runs on the main thread
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(pack_step(None)))
+    thread.start()
+    thread.join()
+    assert seen == [SPREAD]
+    assert pack_step(4) == 4
     broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
     try:
-        assert broker.pack_step() == PACK_STEP  # this test runs on the main thread
-        seen: list[int] = []
-        thread = threading.Thread(target=lambda: seen.append(broker.pack_step()))
-        thread.start()
-        thread.join()
-        assert seen == [SPREAD]
-        broker.config.pack_step = 4
-        assert broker.pack_step() == 4
+        assert broker._packing.pack_step == PACK_STEP  # built on the main thread
     finally:
         broker._release()

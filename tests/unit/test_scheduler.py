@@ -758,7 +758,7 @@ def test_packing_fills_a_worker_by_a_step_before_the_next_gets_any() -> None:
     workers = [f"w{i}".encode() for i in range(4)]
     for w in workers:
         ready(s, w, 8)
-    s.set_pack_step(4)
+    s.set_dispatch_step(4)
     s.submit(A, jobs("a", 8), now=0.0)
     sent = s.outbox.take()
     sizes = sorted(len(assigned(sent, w)) for w in workers)
@@ -781,7 +781,7 @@ def test_a_worker_that_stays_first_takes_job_after_job_without_heap_operations(m
     workers = [f"w{i}".encode() for i in range(8)]
     for w in workers:
         ready(s, w, 64)
-    s.set_pack_step(64)
+    s.set_dispatch_step(64)
     s.submit(A, jobs("warm", 1), now=0.0)  # builds the heap
     s.outbox.take()
     pushes: list[Any] = []
@@ -804,7 +804,7 @@ def test_packing_never_overruns_credits_and_keeps_clients_fair() -> None:
     s = make()
     ready(s, W1, 3)
     ready(s, W2, 3)
-    s.set_pack_step(16)  # a step above the credits: each worker fills up, the next takes the rest
+    s.set_dispatch_step(16)  # a step above the credits: each worker fills up, the next takes the rest
     s.defer_dispatch = True  # as the socket loop: one dispatch pass after both submissions
     s.submit(A, jobs("a", 6), now=0.0)
     s.submit(B, jobs("b", 6), now=0.0)
@@ -833,7 +833,7 @@ def test_switching_between_spreading_and_packing_keeps_every_job_and_credit() ->
         assert s.num_queued == 0 or all(s.workers[w].credits_free == 0 for w in workers)  # no job waits beside a credit
 
     for k in range(40):
-        s.set_pack_step(1 if k % 3 else 4)
+        s.set_dispatch_step(1 if k % 3 else 4)
         s.submit(A, jobs(f"j{k}-", 2), now=float(k))
         collect()
         done = workers[k % 3]  # one worker finishes all it holds; the queue refills it
@@ -849,8 +849,8 @@ def test_spreading_again_after_packing() -> None:
     s = make()
     ready(s, W1, 8)
     ready(s, W2, 8)
-    s.set_pack_step(4)
-    s.set_pack_step(1)
+    s.set_dispatch_step(4)
+    s.set_dispatch_step(1)
     s.submit(A, jobs("a", 4), now=0.0)
     sent = s.outbox.take()
     assert len(assigned(sent, W1)) == len(assigned(sent, W2)) == 2
