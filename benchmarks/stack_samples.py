@@ -54,16 +54,20 @@ def sampled(py_spy: str | None, pid: int, path: str) -> Iterator[None]:
 
 
 _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
+SPINE = 0.9
+"""A frame on at least this share of the samples of every thread it is on (``run_forever``,
+the entry point) is left out of the inclusive list: it says nothing about where time goes."""
 
 
 def summarize(path: str | Path, top: int = 15) -> dict[str, Any]:
     """The functions with the most samples in a py-spy raw file: own (on top of the stack) and
-    inclusive (anywhere on it, counted once per stack), as shares of all samples, and the
-    share of each thread. Frames are ``function (file:line)`` as py-spy names them (the line a
+    inclusive (anywhere on it, counted once per stack; ``SPINE`` frames left out), as shares of
+    all samples, and the share of each thread. Frames are ``function (file:line)`` as py-spy names them (the line a
     function starts on, with ``--function``)."""
     own: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     threads: Counter[str] = Counter()
+    on_thread: Counter[tuple[str, str]] = Counter()  # (thread, frame): samples
     total = 0
     for line in Path(path).read_text().splitlines():
         m = _LINE.match(line.strip())
@@ -71,14 +75,19 @@ def summarize(path: str | Path, top: int = 15) -> dict[str, Any]:
             continue
         count = int(m["count"])
         frames = m["stack"].split(";")
-        if frames[0].startswith("thread ("):  # --threads: "thread (TID): NAME" first
-            threads[frames.pop(0)] += count
+        thread = frames.pop(0) if frames[0].startswith("thread (") else ""  # --threads: "thread (TID): NAME"
         if not frames:
             continue
+        threads[thread] += count
         total += count
         own[frames[-1]] += count
         for frame in set(frames):
             inclusive[frame] += count
+            on_thread[thread, frame] += count
+    telling = {frame for (thread, frame), n in on_thread.items() if n < SPINE * threads[thread]}
+    for frame in [f for f in inclusive if f not in telling]:
+        del inclusive[frame]
+    threads.pop("", None)
     share = (lambda c: [(name, round(n / total, 4)) for name, n in c.most_common(top)]) if total else (lambda c: [])
     return {"samples": total, "own": share(own), "inclusive": share(inclusive), "threads": share(threads)}
 

@@ -31,10 +31,8 @@ def test_own_inclusive_and_thread_shares_of_all_samples(tmp_path: Path) -> None:
         ("encode (c.py:4)", 0.3),
         ("serve (metrics.py:10)", 0.2),
     ]
-    inclusive = dict(summary["inclusive"])
-    assert inclusive["run (base_events.py:600)"] == 0.8  # on both of the main thread's stacks
-    assert inclusive["encode (c.py:4)"] == 0.3
-    assert not any(name.startswith("thread (") for name in inclusive)
+    # on every sample of each thread it is on: the spine (the entry point, the loop), left out
+    assert summary["inclusive"] == [("encode (c.py:4)", 0.3)]
     assert dict(summary["threads"]) == {"thread (11): MainThread": 0.8, "thread (12): Thread-1 (serve)": 0.2}
     lines = stack_samples.report("worker", summary)
     assert lines[0] == "worker: 100 samples at 200 Hz (on CPU)"
@@ -75,3 +73,11 @@ def test_a_block_that_raises_still_stops_the_sampler(tmp_path: Path) -> None:
             time.sleep(0.01)
         raise RuntimeError("the batch failed")
     assert (tmp_path / "stopped").read_text() == "stopped\n"
+
+
+def test_a_frame_on_most_but_not_all_of_a_threads_samples_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "profile.txt"
+    path.write_text("main;loop;handle;encode 50\nmain;loop;handle 30\nmain;loop 20\n")
+    inclusive = dict(stack_samples.summarize(path)["inclusive"])
+    assert inclusive == {"handle": 0.8, "encode": 0.5}  # main and loop: on every sample
+    assert stack_samples.summarize(path)["threads"] == []  # no --threads: no thread shares
