@@ -32,6 +32,7 @@ from zmq_rollout.curve import (
     serve_with_curve,
 )
 from zmq_rollout.errors import ConfigError, ProtocolError
+from zmq_rollout.gc_pauses import settle_heap
 
 from .busy_poll import BusyPoll, IdleCores, JobsPerMessage, busy_poll_s
 from .outbox import CLIENT, WORKER
@@ -42,6 +43,11 @@ from .scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 _READ_BATCH = 256  # messages per socket per pass, so that neither side starves the other
+GC_YOUNG_THRESHOLD = 20_000
+"""New objects between two collections of the youngest generation in a broker's own process
+(Python's default: 700). Each collection walks the objects of jobs in flight; with 700 the
+collector was a tenth of the broker's CPU unbatched (8c x 8w); 20,000: 4-9% more jobs/s at 8 and
+64 workers, 100,000 slower again (longer walks, colder caches; benchmarks/README.md)."""
 # Plain ints: pyzmq's flag enums cost a conversion per call, and recv_multipart/send_multipart
 # an option lookup and checks per frame (half the broker's time per message, unbatched).
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -185,6 +191,8 @@ class Broker:
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
         self._packing = Packing(pack_step(self.config.pack_step))  # on the thread that runs the loop
+        if threading.current_thread() is threading.main_thread():  # a process of its own
+            settle_heap(GC_YOUNG_THRESHOLD)
         max_spin = busy_poll_s(self.config.busy_poll_us)
         spin = self._spin = BusyPoll(max_spin) if max_spin > 0 else None
         busy = False

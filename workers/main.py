@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ import time
 
 from zmq_rollout.config import WorkerConfig
 from zmq_rollout.curve import PeerKeys
+from zmq_rollout.gc_pauses import settle_heap
 from zmq_rollout.settings import to_argv
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,7 @@ async def _serve(config: WorkerConfig) -> int:
     # makes (vLLM's outputs and logprobs, per request and token) set off a full collection
     # in the loop that also runs vLLM's output processing. vLLM's own server does the same
     # after its warm-up (vllm.utils.gc_utils.freeze_gc_heap).
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     log.info(
         "engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
         time.monotonic() - started,

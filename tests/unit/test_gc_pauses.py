@@ -7,7 +7,7 @@ import gc
 from helpers import parse_samples
 from prometheus_client import generate_latest
 
-from zmq_rollout.gc_pauses import GcClock, process_clock
+from zmq_rollout.gc_pauses import GcClock, process_clock, settle_heap
 from zmq_rollout.workers.metrics import WorkerMetrics
 
 
@@ -51,3 +51,43 @@ def test_the_worker_exports_its_process_collections() -> None:
     assert after[name] >= before[name] + 1
     assert after["zmq_rollout_worker_gc_seconds_total{generation=2}"] > 0.0
     assert set(after) >= {f"zmq_rollout_worker_gc_seconds_total{{generation={g}}}" for g in "012"}
+
+
+def test_settling_the_heap_freezes_it_and_sets_the_young_threshold_only_when_asked() -> None:
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == before
+        settle_heap(12_345)
+        assert gc.get_threshold() == (12_345, before[1], before[2])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+def test_a_broker_settles_its_heap_in_a_process_of_its_own_and_never_on_a_thread_of_another() -> None:
+    """On the main thread (``zmq-rollout broker``) the loop freezes the heap and collects young
+    objects every ``GC_YOUNG_THRESHOLD``; a ``BrokerThread`` leaves its host process's collector
+    alone."""
+    import threading
+
+    from zmq_rollout.broker.server import GC_YOUNG_THRESHOLD, Broker
+    from zmq_rollout.config import BrokerConfig
+
+    before = gc.get_threshold()
+    gc.unfreeze()
+    try:
+        other = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+        other.stop()  # run() sets up, then leaves its loop at once
+        thread = threading.Thread(target=other.run)
+        thread.start()
+        thread.join(10)
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+        own = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+        own.stop()
+        own.run()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
