@@ -34,14 +34,12 @@ def harness_ceiling(row: dict[str, Any], cores: int) -> tuple[float, float] | No
     """What the test doubles of a case allow, whatever the broker: their CPU per job (the
     clients' and the echo workers' cores over the jobs per second, in us) and the jobs per
     second that ``cores`` would give them with a broker that cost nothing. None when the case
-    has no such figures (HTTP has no workers; a case with no completed job)."""
+    has no such figures (HTTP has no workers; a case with no completed job or no CPU)."""
     cpu = row["cpu_cores"]
-    if row["jobs_per_s"] <= 0 or "workers" not in cpu or row["kind"] == "http":
+    if row["jobs_per_s"] <= 0 or "workers" not in cpu:
         return None
     doubles_us = (cpu["workers"] + cpu["clients"]) / row["jobs_per_s"] * 1e6
-    if doubles_us <= 0:
-        return None
-    return doubles_us, cores * 1e6 / doubles_us
+    return (doubles_us, cores * 1e6 / doubles_us) if doubles_us > 0 else None
 
 
 def percentile_us(samples: list[int], q: float) -> float:
