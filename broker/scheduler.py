@@ -80,6 +80,9 @@ class Scheduler:
         cfg = self.config
         queue, queued, running = client.queue, client.queued, client.running
         idle = not queue and not self.affinity.holds(identity)  # not in ``_waiting``
+        room = min(cfg.max_queue_per_client - len(queued), cfg.max_queue_total - self.num_queued)
+        sampling: Any = None  # the last job's sampling and cost: a SUBMIT's jobs mostly share one
+        cost = 0
         for spec in jobs:
             jid = spec.job_id
             if spec.resubmitted and (jid in queued or jid in running or jid in (client.finished or ())):
@@ -90,7 +93,7 @@ class Scheduler:
                     identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight")
                 )
                 self.stats.rejected_invalid += 1
-            elif len(queued) >= cfg.max_queue_per_client or self.num_queued >= cfg.max_queue_total:
+            elif new >= room:
                 self.outbox.to_client(
                     identity,
                     p.BUSY,
@@ -98,19 +101,21 @@ class Scheduler:
                         jid,
                         "busy",
                         (
-                            f"queue full ({len(client.queued)} queued for this client, {self.num_queued} in all; "
+                            f"queue full ({len(queued)} queued for this client, {self.num_queued + new} in all; "
                             "limits: max_queue_per_client / max_queue_total)"
                         ),
                     ),
                 )
                 self.stats.rejected_busy += 1
             else:  # queued (as ``_enqueue``, its turn in ``_waiting`` taken once below)
-                queued[jid] = job = Job(identity, spec, now, spec.cost())
+                if spec.sampling != sampling:
+                    sampling, cost = spec.sampling, spec.cost()
+                queued[jid] = job = Job(identity, spec, now, cost)
                 queue.append(job)
-                self.num_queued += 1
                 if spec.ack:
                     accepted.append(jid)
                 new += 1
+        self.num_queued += new
         if idle and new:
             self._waiting.append(client)
         self.stats.submitted += new
@@ -246,30 +251,58 @@ class Scheduler:
         worker = self.worker_seen(identity, now)
         if worker is None:
             return
-        stats = self.stats
         fleet = self.sync.fleet_version
-        done = fresh = 0
         finals: dict[ClientId, list[Any]] = {}  # FINAL lists per client, while nothing else goes to one
-        submitted: dict[float, int] = {}  # jobs done per submission time: one latency each, observed per block
+        done: list[tuple[Job, p.ResultRelay]] = []
+        running_here, clients, outbox = worker.running, self.clients, self.outbox
+        last: ClientId | None = None  # the client of the result before (a FINAL's results come in runs)
+        client: ClientState | None = None
+        out: list[Any] = []
         for result in results:
-            running = worker.running.get(result.key)  # type: ignore[arg-type]
-            if running is not None and running.spec.max_staleness is not None:
-                finals.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
-                if self._too_stale(worker, running, result, fleet, now):
-                    continue
-            job = self._finish(worker, result.key, offer=False)
+            ticket: Any = result.key
+            job = running_here.get(ticket)
             if job is None:
+                self.stats.late_replies += 1
                 continue
-            result.key = job.spec.job_id
-            out = finals.get(job.client)
-            if out is None:
-                out = finals[job.client] = self.outbox.items_to(CLIENT, job.client, p.FINAL)
+            spec = job.spec
+            if spec.max_staleness is not None:
+                finals.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
+                last = None
+                if self._too_stale(worker, job, result, fleet, now):
+                    continue
+            # ``_finish``, inline for the usual case
+            del running_here[ticket]
+            worker.credits_used -= job.cost
+            jid = spec.job_id
+            if job.client != last:
+                last = job.client
+                client = clients.get(last)
+                found = finals.get(last)
+                out = finals[last] = outbox.items_to(CLIENT, last, p.FINAL) if found is None else found
+            if client is not None:
+                client.running.pop(jid, None)
+                finished = client.finished
+                if finished is not None and len(finished) < MAX_REMEMBERED:  # as _answered
+                    finished.add(jid)
+            result.key = jid
             out.append(result)
-            done += 1
+            done.append((job, result))
+        if done:
+            self._offer(worker)  # once for its load after the whole message
+            self._observe_done(worker, done, fleet, now)
+        self.dispatch_soon(now)
+
+    def _observe_done(self, worker: WorkerState, done: list[tuple[Job, p.ResultRelay]], fleet: int, now: float) -> None:
+        """The metrics of one FINAL's finished jobs, per block: each distinct submission time's
+        latency once, and the samples' staleness (``staleness.py``): n samples of the version
+        the job was dispatched at, unless a sync came meanwhile; counted at once for the usual
+        case, samples of the fleet's version."""
+        stats = self.stats
+        fresh = 0
+        submitted: dict[float, int] = {}
+        for job, result in done:
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
-            # Staleness (staleness.py): n samples of the version the job was dispatched at, unless a
-            # sync came meanwhile; counted at once for the usual case, samples of the fleet's version.
             version = result.weight_version
             if version != job.dispatched_version:
                 observe_crossing(stats, result.samples, job.cost, version, fleet)
@@ -277,17 +310,14 @@ class Scheduler:
                 fresh += job.cost
             else:
                 stats.staleness.observe_many(fleet - version, job.cost)
-        if done:
-            self._offer(worker)  # once for its load after the whole message
         if fresh:
             stats.staleness.observe_many(0, fresh)
         for at, n in submitted.items():
             stats.job_latency.observe_many(now - at, n)
-        stats.completed += done
+        stats.completed += len(done)
         tally = stats.workers.get(worker.info.name)
         if tally is not None:
-            tally.completed += done
-        self.dispatch_soon(now)
+            tally.completed += len(done)
 
     def _too_stale(self, worker: WorkerState, job: Job, result: p.ResultRelay, fleet: int, now: float) -> bool:
         """A result further behind the fleet than its job's ``max_staleness``: the job runs again
@@ -497,12 +527,16 @@ class Scheduler:
                         blocked.append(client)  # no eligible worker now; keep its place for later
                     continue
                 job, worker = found
-            else:  # the usual turn, inline: its head job to the least loaded worker that takes it
+            else:  # the usual turn: its head job to the first worker in order that takes it
                 found_worker = pick(heap, head)
                 if found_worker is None:
                     blocked.append(client)
                     continue
-                job, worker = self._dequeue(client, queue.popleft()), found_worker
+                if heap and dispatch_heap.step == 1:  # least loaded first: the next job likely goes elsewhere
+                    job, worker = self._dequeue(client, queue.popleft()), found_worker
+                else:  # packing, or the only worker: a run of jobs for it
+                    self._run(found_worker, client, heap, now, jobs_to, submitted)
+                    continue
             self._assign(worker, client, job, now, jobs_to)  # its new entry is kept for the next pick
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
@@ -513,6 +547,73 @@ class Scheduler:
         wait = self.stats.queue_wait
         for at, n in submitted.items():
             wait.observe_many(now - at, n)
+
+    def _run(
+        self,
+        worker: WorkerState,
+        client: ClientState,
+        heap: Heap,
+        now: float,
+        jobs_to: dict[WorkerId, list[Any]],
+        submitted: dict[float, int],
+    ) -> None:
+        """Give ``worker`` ``client``'s head job, then the next waiting clients' heads in turn
+        for as long as ``pick`` would pick ``worker`` again for them: it still comes first in
+        the heap's order (``dispatch_heap.entry``) and takes the job. The same assignments as
+        one ``pick`` per job, without a pick and a new heap entry per job: while the broker
+        packs, a worker takes a step's worth of jobs in one run. A turn that needs more (a
+        session, a held turn, a cancelled head) or a job this worker cannot take ends the run;
+        ``dispatch`` goes on with ``pick``. Packed order (its last pick wins a tie), or least
+        loaded first with no other worker on the heap."""
+        waiting, held, tickets = self._waiting, self.affinity.held_clients, self._tickets
+        step, credits, version = self._heap.step, worker.credits, worker.weight_version
+        assert step > 1 or not heap, "least loaded first: a run only for the only worker"
+        identity, running = worker.identity, worker.running
+        out = jobs_to.get(identity)
+        if out is None:
+            out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
+            worker.jobs_sent_at = now
+        relay = p.AssignmentRelay
+        taken = 0
+        while True:
+            queue = client.queue
+            job = queue.popleft()
+            spec = job.spec
+            jid = spec.job_id
+            del client.queued[jid]
+            ticket = job.ticket = next(tickets)
+            job.attempts += 1
+            job.dispatched_version = version
+            running[ticket] = job
+            worker.credits_used += job.cost
+            client.running[jid] = (identity, ticket)
+            out.append(relay(ticket, spec))
+            at = job.submitted_at
+            submitted[at] = submitted.get(at, 0) + 1
+            taken += 1
+            if queue:
+                waiting.append(client)
+            used = worker.credits_used
+            if used >= credits or not waiting:
+                break
+            if heap and used // step > heap[0][0]:  # ``pick`` takes it again while it comes first
+                break
+            client = waiting[0]
+            queue = client.queue
+            head = queue[0] if queue else None
+            if (
+                head is None
+                or head.cancelled
+                or head.spec.session_id is not None
+                or client.identity in held
+                or head.cost > credits - used
+                or head.spec.min_weight_version > version
+            ):
+                break
+            waiting.popleft()
+        worker.last_pick = ticket
+        self.num_queued -= taken
+        self._heap.offer_next(worker, len(self.workers))  # kept for the next pick (dispatch_heap.py)
 
     def _next(self, client: ClientState, heap: Heap, now: float) -> tuple[Job, WorkerState] | None:
         """The job ``client`` sends in its turn and its worker: a held turn whose worker has
