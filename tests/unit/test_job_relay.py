@@ -167,3 +167,26 @@ def test_the_cache_of_checked_samplings_stays_bounded() -> None:
         raw = msgspec.Raw(msgspec.msgpack.encode(p.SamplingParams(seed=seed, n=2)))
         assert jobs.sampling_n(raw) == 2
     assert len(jobs._sampling_checked) <= jobs._SAMPLING_CHECKED_MAX
+
+
+def test_each_relay_costs_its_own_n_when_jobs_of_a_message_differ() -> None:
+    """The last checked sampling is remembered (``jobs._last_sampling``): jobs that share it and
+    jobs that do not each cost their own ``n``, and a bad one after good ones still fails."""
+    ns = [1, 1, 3, 3, 1, 2, 2, 2]
+    wire = msgspec.msgpack.encode([p.JobSpec(f"j{i}", p.SamplingParams(n=n), "hi") for i, n in enumerate(ns)])
+    relays = msgspec.msgpack.decode(wire, type=list[p.JobRelay])
+    assert [r.cost() for r in relays] == ns
+    assert [r.cost() for r in reversed(relays)] == ns[::-1]
+    bad = msgspec.msgpack.encode([["a", [2], "hi"], ["b", [0], "hi"]])
+    with pytest.raises(msgspec.ValidationError, match="n=0"):
+        msgspec.msgpack.decode(bad, type=list[p.JobRelay])
+
+
+def test_the_remembered_sampling_is_a_copy_not_a_view_of_the_message() -> None:
+    buffer = bytearray(msgspec.msgpack.encode(["j", p.SamplingParams(n=7, seed=1234), "hi"]))
+    relay = msgspec.msgpack.decode(buffer, type=p.JobRelay)
+    kept = bytes(jobs._last_sampling[0][0])  # type: ignore[arg-type]
+    buffer[:] = bytes(len(buffer))  # the message's buffer reused for something else
+    assert bytes(jobs._last_sampling[0][0]) == kept  # type: ignore[arg-type]
+    assert msgspec.msgpack.decode(kept, type=p.SamplingParams).n == 7
+    assert relay.job_id == "j"
