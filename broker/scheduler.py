@@ -148,16 +148,16 @@ class Scheduler:
             job.cancelled = True  # lazily skipped by dispatch
             self.num_queued -= 1
             return True
-        where = client.running.pop(jid, None)
-        if where is None:
+        job = client.running.pop(jid, None)
+        if job is None:
             return False
-        worker = self.workers.get(where[0])
+        worker = self.workers.get(job.worker)
         if worker is not None:
-            running = worker.running.pop(where[1], None)
+            running = worker.running.pop(job.ticket, None)
             if running is not None:
                 worker.credits_used -= running.cost
                 self._offer(worker)
-                self.outbox.to_worker(worker.identity, p.CANCEL, where[1])
+                self.outbox.to_worker(worker.identity, p.CANCEL, job.ticket)
         return True
 
     def client_gone(self, identity: ClientId, reason: str, now: float) -> None:
@@ -586,7 +586,8 @@ class Scheduler:
             job.dispatched_version = version
             running[ticket] = job
             worker.credits_used += job.cost
-            client.running[jid] = (identity, ticket)
+            job.worker = identity
+            client.running[jid] = job
             out.append(relay(ticket, spec))
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
@@ -662,7 +663,8 @@ class Scheduler:
         worker.running[ticket] = job
         worker.credits_used += job.cost
         identity = worker.identity
-        client.running[spec.job_id] = (identity, ticket)
+        job.worker = identity
+        client.running[spec.job_id] = job
         out = jobs_to.get(identity)
         if out is None:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)

@@ -25,6 +25,8 @@ class Job:
     cost: int
     """Credits it occupies on a worker while it runs: its ``sampling.n``."""
     ticket: int = 0
+    worker: WorkerId = b""
+    """The worker it runs on, under ``ticket``, while it is in its client's ``running``."""
     dispatched_version: int = 0
     """Its worker's weight version when dispatched: a result of another version crossed a sync."""
     attempts: int = 0
@@ -40,7 +42,7 @@ class ClientState:
     last_seen: float
     queue: deque[Job] = field(default_factory=deque)
     queued: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, still in ``queue``
-    running: dict[str, tuple[WorkerId, int]] = field(default_factory=dict)  # job_id -> (worker, ticket)
+    running: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, on ``job.worker`` under ``job.ticket``
     since: float = 0.0
     """When this broker first heard of it (this session)."""
     finished: set[str] | None = None
