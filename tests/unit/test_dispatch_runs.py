@@ -15,25 +15,17 @@ from typing import Any
 import pytest
 
 from zmq_rollout import protocol as p
-from zmq_rollout.broker.dispatch_heap import Heap
 from zmq_rollout.broker.outbox import WORKER
 from zmq_rollout.broker.scheduler import Scheduler
-from zmq_rollout.broker.state import ClientState, WorkerId, WorkerState
+from zmq_rollout.broker.state import ClientState, WorkerState
 from zmq_rollout.config import BrokerConfig
 
 
 class OnePickPerJob(Scheduler):
     """The reference: a plain turn assigns its head job alone, as ``dispatch`` did before runs."""
 
-    def _run(
-        self,
-        worker: WorkerState,
-        client: ClientState,
-        heap: Heap,
-        now: float,
-        jobs_to: dict[WorkerId, list[Any]],
-        submitted: dict[float, int],
-    ) -> None:
+    def _run(self, worker: WorkerState, client: ClientState, *rest: Any) -> None:
+        _heap, now, jobs_to, submitted = rest  # as Scheduler._run's
         job = self._dequeue(client, client.queue.popleft())
         self._assign(worker, client, job, now, jobs_to)
         submitted[job.submitted_at] = submitted.get(job.submitted_at, 0) + 1
