@@ -17,7 +17,8 @@ was a quarter of the broker's CPU per job, ``benchmarks/README.md``).
 from __future__ import annotations
 
 import os
-import threading
+
+from .own_process import owns_process
 
 BUSY_POLL_US = 250
 """``BrokerConfig.busy_poll_us`` of a broker in its own process: on these VMs a sleeping broker
@@ -137,5 +138,5 @@ def busy_poll_s(configured_us: int | None) -> float:
     ``BUSY_POLL_US`` on the main thread, which a broker's own process runs it on, and 0 on any
     other, whose process's threads would wait for the GIL meanwhile."""
     if configured_us is None:
-        configured_us = BUSY_POLL_US if threading.current_thread() is threading.main_thread() else 0
+        configured_us = BUSY_POLL_US if owns_process() else 0
     return configured_us / 1e6

@@ -21,7 +21,8 @@ Pure: the loop reports seconds of work and asks at each tick (tests/unit/test_pa
 from __future__ import annotations
 
 import logging
-import threading
+
+from .own_process import owns_process
 
 log = logging.getLogger(__name__)
 
@@ -92,4 +93,4 @@ def pack_step(configured: int | None) -> int:
     that process's other threads (the GIL), not only work."""
     if configured is not None:
         return configured
-    return PACK_STEP if threading.current_thread() is threading.main_thread() else SPREAD
+    return PACK_STEP if owns_process() else SPREAD

@@ -36,6 +36,7 @@ from zmq_rollout.gc_pauses import settle_heap
 
 from .busy_poll import BusyPoll, IdleCores, JobsPerMessage, busy_poll_s
 from .outbox import CLIENT, WORKER
+from .own_process import owns_process
 from .packing import Packing, pack_step
 from .salvage import split_submit, submit_ids
 from .scheduler import Scheduler
@@ -191,7 +192,7 @@ class Broker:
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
         self._packing = Packing(pack_step(self.config.pack_step))  # on the thread that runs the loop
-        if threading.current_thread() is threading.main_thread():  # a process of its own
+        if owns_process():  # the collector is the process's to set
             settle_heap(GC_YOUNG_THRESHOLD)
         max_spin = busy_poll_s(self.config.busy_poll_us)
         spin = self._spin = BusyPoll(max_spin) if max_spin > 0 else None
