@@ -81,8 +81,6 @@ class Scheduler:
         queue, queued, running = client.queue, client.queued, client.running
         idle = not queue and not self.affinity.holds(identity)  # not in ``_waiting``
         room = min(cfg.max_queue_per_client - len(queued), cfg.max_queue_total - self.num_queued)
-        sampling: Any = None  # the last job's sampling and cost: a SUBMIT's jobs mostly share one
-        cost = 0
         for spec in jobs:
             jid = spec.job_id
             if spec.resubmitted and (jid in queued or jid in running or jid in (client.finished or ())):
@@ -108,9 +106,7 @@ class Scheduler:
                 )
                 self.stats.rejected_busy += 1
             else:  # queued (as ``_enqueue``, its turn in ``_waiting`` taken once below)
-                if spec.sampling != sampling:
-                    sampling, cost = spec.sampling, spec.cost()
-                queued[jid] = job = Job(identity, spec, now, cost)
+                queued[jid] = job = Job(identity, spec, now, spec.cost())
                 queue.append(job)
                 if spec.ack:
                     accepted.append(jid)
@@ -270,7 +266,7 @@ class Scheduler:
                 last = None
                 if self._too_stale(worker, job, result, fleet, now):
                     continue
-            # ``_finish``, inline for the usual case
+            # ``_finish``, inline for the usual case (the client looked up once per run of its results)
             del running_here[ticket]
             worker.credits_used -= job.cost
             jid = spec.job_id
@@ -281,9 +277,7 @@ class Scheduler:
                 out = finals[last] = outbox.items_to(CLIENT, last, p.FINAL) if found is None else found
             if client is not None:
                 client.running.pop(jid, None)
-                finished = client.finished
-                if finished is not None and len(finished) < MAX_REMEMBERED:  # as _answered
-                    finished.add(jid)
+                self._answered(client, jid)
             result.key = jid
             out.append(result)
             done.append((job, result))
@@ -390,11 +384,8 @@ class Scheduler:
             self._offer(worker)
         client = self.clients.get(job.client)
         if client is not None:
-            jid = job.spec.job_id
-            client.running.pop(jid, None)
-            finished = client.finished
-            if finished is not None and len(finished) < MAX_REMEMBERED:  # as _answered
-                finished.add(jid)
+            client.running.pop(job.spec.job_id, None)
+            self._answered(client, job.spec.job_id)
         return job
 
     def worker_gone(self, identity: WorkerId, reason: str, now: float) -> None:
@@ -575,7 +566,7 @@ class Scheduler:
             worker.jobs_sent_at = now
         relay = p.AssignmentRelay
         taken = 0
-        while True:
+        while True:  # each job as ``_dequeue`` and ``_assign`` do it, inline
             queue = client.queue
             job = queue.popleft()
             spec = job.spec
