@@ -50,7 +50,7 @@ class Worker:
         self._curve = PeerKeys.from_files(config.curve_server_key, config.curve_secret_key, "WorkerConfig")
         self._handshake_task: asyncio.Task[None] | None = None
         self._refusals_logged: set[str] = set()
-        self._decoder = codec.Decoder(codec.TO_WORKER)
+        self._decoder = codec.Decoder(codec.WORKER_FROM_BROKER)
         self._tasks: dict[int, asyncio.Task[None]] = {}  # ticket -> job task
         self._outgoing: list[list[Any]] = []  # [command, items] in send order
         self._flush_scheduled = False
@@ -239,8 +239,13 @@ class Worker:
                         self._send_now(p.CONTROL_ACK, ack)
                 continue
             if msg.command == p.JOBS:
-                for assignment in msg.body:
-                    self._start(assignment)
+                for sealed in msg.body:
+                    opened = p.unseal(sealed)
+                    if isinstance(opened, p.Assignment):
+                        self._start(opened)
+                    else:  # a job it cannot run: answered alone, the others run
+                        self.metrics.jobs_failed.labels("invalid_request").inc()
+                        self._queue(p.ERROR, opened)
             elif msg.command == p.CANCEL:
                 await self._cancel(msg.body)
             elif msg.command == p.DISCONNECT:

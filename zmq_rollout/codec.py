@@ -72,6 +72,9 @@ TO_WORKER: dict[bytes, Any] = {
     p.HEARTBEAT: p.Liveness | None,  # Liveness answers READY; nil otherwise
     p.DISCONNECT: None,
 }
+WORKER_FROM_BROKER: dict[bytes, Any] = {**TO_WORKER, p.JOBS: list[p.SealedAssignment]}
+"""What a worker decodes from the broker: the same, but each job raw, opened one by one
+(``p.unseal``): the broker checks only part of a job (``JobRelay``)."""
 
 
 class Message(NamedTuple):

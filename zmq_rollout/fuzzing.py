@@ -56,6 +56,13 @@ TABLES = {
     "to_worker": codec.TO_WORKER,
     "to_client": codec.TO_CLIENT,
 }
+RECEIVERS = {
+    "from_client": codec.BROKER_FROM_CLIENT,
+    "from_worker": codec.FROM_WORKER,
+    "to_worker": codec.WORKER_FROM_BROKER,
+}
+"""How each port's receiver decodes it: the broker reads jobs as ``JobRelay`` and a worker
+opens JOBS job by job, so a job whose token ids only a worker refuses is not malformed there."""
 STRATEGIES = {  # strategy: weight
     "valid": 6,
     "mutate": 40,
@@ -287,7 +294,7 @@ class Fuzzer:
             for cmd, body in templates(own)
         ]
         self._others = [(cmd, body) for t in TABLES if t != own for cmd, body in templates(t)]
-        self.decoder = codec.Decoder(table)
+        self.decoder = codec.Decoder(RECEIVERS[own])
         """Decodes this port's messages as their receiver does."""
         weights = dict(STRATEGIES, oversize=1 if oversize_bytes else 0)
         self._strategies, self._weights = list(weights), list(weights.values())

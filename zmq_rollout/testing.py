@@ -95,7 +95,7 @@ class EchoWorkerDouble:
 
     def run(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context.instance()
-        decoder = codec.Decoder(codec.TO_WORKER)
+        decoder = codec.Decoder(codec.WORKER_FROM_BROKER)
         sock = self._connect(ctx)
         next_beat = time.monotonic() + self.heartbeat
         try:
@@ -129,11 +129,16 @@ class EchoWorkerDouble:
 
     def _handle(self, ctx: zmq.Context[Any], sock: zmq.Socket[Any], msg: codec.Message) -> zmq.Socket[Any]:
         if msg.command == p.JOBS:
-            self.received.extend(msg.body)
+            opened = [p.unseal(sealed) for sealed in msg.body]
+            jobs = [a for a in opened if isinstance(a, p.Assignment)]
+            refused = [e for e in opened if isinstance(e, p.ErrorItem)]
+            if refused:  # as the worker answers a job it cannot run
+                sock.send_multipart(codec.encode(p.ERROR, refused, packed=self._packed))
+            self.received.extend(jobs)
             if self.hold:
-                self.held.extend(msg.body)
-            else:
-                results = [echo_result(a, self.name, self.weight_version) for a in msg.body]
+                self.held.extend(jobs)
+            elif jobs:
+                results = [echo_result(a, self.name, self.weight_version) for a in jobs]
                 sock.send_multipart(codec.encode(p.FINAL, results, packed=self._packed))
         elif msg.command == p.CANCEL:
             self.cancelled.extend(msg.body)

@@ -352,6 +352,11 @@ def test_bad_input_gets_clear_errors_while_other_jobs_finish(cluster: LocalClust
     errors = codec.Decoder(codec.TO_CLIENT).decode(frames).body
     assert {e.key for e in errors} >= {"raw-1"}
     assert malformed_total(cluster) >= malformed_before + 2
+    # Token ids the broker forwards raw (it reads only their count): the worker refuses a
+    # negative one, that job alone.
+    frames = _raw_submit(cluster.address, codec.encode_body([["raw-3", [], None, None, [1, -2]]]))
+    (err,) = codec.Decoder(codec.TO_CLIENT).decode(frames).body
+    assert (err.key, err.code) == ("raw-3", "invalid_request") and "non-negative" in err.message
     # The well-formed job submitted first still finishes.
     assert len(good.result(timeout=300)[0].token_ids) == 64
 

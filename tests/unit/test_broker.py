@@ -176,6 +176,32 @@ def test_submit_with_one_invalid_job_among_valid_ones(start_broker: Any, start_d
     assert errors["bad-n"].code == "invalid_request"
 
 
+def test_a_job_whose_token_ids_only_the_worker_can_refuse_fails_alone(
+    start_broker: Any, start_double: Any, raw_socket: Any
+) -> None:
+    """The broker checks a prompt's token ids by their count only (``JobRelay``, raw): a
+    negative id reaches the worker, which answers that job alone with ``invalid_request``;
+    the jobs beside it in the same SUBMIT and the same JOBS message complete."""
+    broker = start_broker()
+    start_double(broker)
+    client = raw_socket(zmq.DEALER)
+    client.connect(broker.frontend)
+    header = [
+        ["ok-1", [], None, None, [1, 2, 3]],
+        ["neg", [], None, None, [4, -5]],
+        ["ok-2", [], None, [["user", "hi"]]],
+    ]
+    client.send_multipart([p.SIGNATURE, p.SUBMIT, msgpack.packb(header)])
+    messages = collect(client, lambda ms: len(items(ms, p.FINAL)) == 2 and len(items(ms, p.ERROR)) == 1)
+    assert sorted(r.key for r in items(messages, p.FINAL)) == ["ok-1", "ok-2"]
+    (err,) = items(messages, p.ERROR)
+    assert (err.key, err.code) == ("neg", "invalid_request")
+    assert err.message == "invalid job: prompt_token_ids must hold 1..1M non-negative ids"
+    assert broker.jobs("completed") == 2
+    assert broker.jobs("failed") == 1
+    assert broker.malformed() == {}  # well-formed for the broker: the worker refused it
+
+
 def test_oversize_message_is_refused(start_broker: Any, raw_socket: Any) -> None:
     broker = start_broker(max_message_bytes=4096)
     client = raw_socket(zmq.DEALER)

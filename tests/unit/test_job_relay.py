@@ -40,9 +40,12 @@ def test_relay_has_jobspecs_fields_in_order_with_the_same_defaults() -> None:
     relay = msgspec.structs.fields(p.JobRelay)
     assert [f.name for f in relay] == [f.name for f in spec]
     for a, b in zip(spec, relay, strict=True):
-        if a.name != "sampling":
+        if b.type is msgspec.Raw:  # kept raw: its default is the encoding of JobSpec's
+            default = a.default if a.default is not msgspec.NODEFAULT else a.default_factory()
+            assert bytes(b.default) == msgspec.msgpack.encode(default), a.name
+        else:
             assert (a.type, a.default) == (unconstrained(b.type), b.default), a.name
-    assert msgspec.msgpack.decode(relay[1].default, type=p.SamplingParams) == p.SamplingParams()
+    assert [f.name for f in relay if f.type is msgspec.Raw] == ["sampling", "messages", "prompt_token_ids"]
 
 
 def unconstrained(t: Any) -> Any:
@@ -101,7 +104,9 @@ BAD_JOBS = {
     "no messages": ["j", [], None, []],
     "too many messages": ["j", [], None, [["user", "a"]] * (p.MAX_MESSAGES + 1)],
     "no token ids": ["j", [], None, None, []],
-    "a negative token id": ["j", [], None, None, [1, -1]],
+    "token ids not a list": ["j", [], None, None, "12"],
+    "messages not a list": ["j", [], None, {"role": "user"}],
+    "token ids and messages": ["j", [], None, [["user", "a"]], [1]],
     "too many token ids": ["j", [], None, None, [1] * (p.MAX_PROMPT_TOKENS + 1)],
     "stream not a bool": ["j", [], "hi", None, None, 1],
     "negative min version": ["j", [], "hi", None, None, False, -1],
@@ -136,6 +141,15 @@ GOOD_JOBS = {
         False,
     ],
     "most messages": ["j", [], None, [["user", ""]] * p.MAX_MESSAGES],
+    "token ids past a fixarray": ["j", [], None, None, list(range(70_000))],
+}
+# What the broker leaves to the worker: what is inside ``messages`` and ``prompt_token_ids``.
+WORKER_REFUSES = {
+    "a negative token id": ["j", [], None, None, [1, -1]],
+    "a token id that is a string": ["j", [], None, None, [1, "2"]],
+    "a message that is a number": ["j", [], None, [5]],
+    "a message with no content": ["j", [], None, [["user"]]],
+    "deeply nested token ids": ["j", [], None, None, [[[[[1]]]]]],
 }
 
 
@@ -154,6 +168,50 @@ def test_the_relay_takes_what_a_jobspec_takes(good: list[Any]) -> None:
     relay = msgspec.msgpack.decode(wire, type=p.JobRelay)
     out = msgspec.msgpack.encode(p.AssignmentRelay(1, relay))
     assert msgspec.msgpack.decode(out, type=p.Assignment) == p.Assignment(1, spec)
+
+
+@pytest.mark.parametrize("bad", WORKER_REFUSES.values(), ids=WORKER_REFUSES.keys())
+def test_the_worker_answers_alone_a_job_whose_inputs_the_broker_left_raw(bad: list[Any]) -> None:
+    """The relay takes it and forwards it as it came; the worker, opening the JOBS message's
+    jobs one by one, answers this one with an error keyed by its ticket and runs the others."""
+    wire = msgspec.msgpack.encode(bad)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(wire, type=p.JobSpec)
+    relay = msgspec.msgpack.decode(wire, type=p.JobRelay)
+    good = msgspec.msgpack.decode(msgspec.msgpack.encode(JOBS[1]), type=p.JobRelay)
+    jobs_message = msgspec.msgpack.encode([p.AssignmentRelay(5, good), p.AssignmentRelay(6, relay)])
+    sealed = msgspec.msgpack.decode(jobs_message, type=list[p.SealedAssignment])
+    opened = [p.unseal(s) for s in sealed]
+    assert opened[0] == p.Assignment(5, JOBS[1])
+    refused = opened[1]
+    assert isinstance(refused, p.ErrorItem)
+    assert (refused.key, refused.code) == (6, "invalid_request")
+    assert refused.message.startswith("invalid job: ")
+
+
+@pytest.mark.parametrize(
+    ("items", "limit", "error"),
+    [
+        ([1], 1, None),
+        ([1] * 15, 15, None),
+        ([1] * 15, 14, "1..14 items, not 15"),
+        ([1] * 16, 16, None),  # array 16
+        ([1] * 65_535, 65_535, None),
+        ([1] * 65_536, 65_536, None),  # array 32
+        ([1] * 65_536, 65_535, "1..65535 items, not 65536"),
+        ([], 5, "1..5 items, not 0"),
+        ("ab", 5, "must be a list"),
+        (None, 5, "must be a list"),
+        ({"a": 1}, 5, "must be a list"),
+    ],
+)
+def test_a_raw_list_is_checked_from_its_header(items: Any, limit: int, error: str | None) -> None:
+    raw = msgspec.Raw(msgspec.msgpack.encode(items))
+    if error is None:
+        jobs.check_raw_list("ids", raw, limit)
+    else:
+        with pytest.raises(ValueError, match=error):
+            jobs.check_raw_list("ids", raw, limit)
 
 
 def test_the_relays_errors_name_the_field() -> None:

@@ -64,7 +64,9 @@ from .jobs import (
     ResultRelay,
     Sample,
     SamplingParams,
+    SealedAssignment,
     StructuredOutput,
+    unseal,
 )
 from .steps import (
     BACKENDS,
@@ -108,6 +110,7 @@ __all__ = [
     "DeltaRelay", "ErrorItem", "Evicted", "FinishUpdate", "IpcSource", "JobRelay", "JobSpec", "JobTotals", "JoinGroup",
     "LeaveGroup", "Liveness", "LoadIpc", "LoadIpcTensors",
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
-    "SamplingParams", "StatusReply", "Struct", "StructuredOutput", "SyncOp", "SyncReply", "SyncStep", "TensorMeta",
-    "WorkerAck", "WorkerInfo", "WorkerStatus",
+    "SamplingParams", "SealedAssignment", "StatusReply", "Struct", "StructuredOutput", "SyncOp", "SyncReply",
+    "SyncStep", "TensorMeta",
+    "WorkerAck", "WorkerInfo", "WorkerStatus", "unseal",
 ]  # fmt: skip
