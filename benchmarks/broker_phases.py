@@ -1,10 +1,11 @@
 """Where the broker's per-job CPU goes with 64 jobs a message, phase by phase, in one process.
 
-    python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1]
+    python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--prompt-tokens 0]
 
 No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
 loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
-64 jobs (100-character prompts, as ``broker_throughput.py``'s clients send) is decoded,
+64 jobs (100-character prompts, as ``broker_throughput.py``'s clients send; or, with
+``--prompt-tokens N``, prompts of N token ids below 150,000, as an RL trainer sends) is decoded,
 submitted, dispatched and its JOBS encoded; then one FINAL per JOBS message (one 4-token
 sample per job, as the echo doubles answer) is decoded, handed to ``worker_final`` and the
 client's FINAL encoded. Each phase is timed by this thread's CPU time (``time.thread_time``),
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import random
 import time
 
 from zmq_rollout import codec
@@ -29,7 +31,7 @@ GOAL_US_PER_JOB = 3.0
 PHASES = ("decode SUBMIT", "submit", "dispatch", "encode JOBS", "decode FINAL", "worker_final", "encode FINAL")
 
 
-def run(rounds: int, workers: int, pack_step: int) -> dict[str, float]:
+def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> dict[str, float]:
     s = Scheduler(BrokerConfig())
     s.defer_dispatch = True
     for w in range(workers):
@@ -41,11 +43,20 @@ def run(rounds: int, workers: int, pack_step: int) -> dict[str, float]:
     sampling, sample = p.SamplingParams(max_tokens=16), p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
     spent = dict.fromkeys(PHASES, 0.0)
     clock, now, jobs = time.thread_time, 0.0, 0
+    rng = random.Random(0)
+
+    def ids_of(_: str) -> list[int]:
+        return [rng.randrange(150_000) for _ in range(prompt_tokens)]
+
     gc.collect()
     for r in range(rounds):
         now += 0.001
         ids = [f"j{r}-{i}" for i in range(BATCH)]
-        submit = codec.encode(p.SUBMIT, [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids], packed=True)
+        if prompt_tokens:
+            specs = [p.JobSpec(i, sampling, prompt_token_ids=ids_of(i), ack=False) for i in ids]
+        else:
+            specs = [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids]
+        submit = codec.encode(p.SUBMIT, specs, packed=True)
         t0 = clock()
         message = from_client.decode(submit)
         t1 = clock()
@@ -90,12 +101,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="workers of 64 credits each (default 1)")
     ap.add_argument("--pack-step", type=int, default=1, help="the dispatch step (1: least loaded first)")
     ap.add_argument("--samples", type=int, default=3, help="runs; the one with the lowest total is printed")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts of this many token ids (0: 100 characters)")
     args = ap.parse_args()
-    runs = [run(args.rounds, args.workers, args.pack_step) for _ in range(args.samples)]
+    runs = [run(args.rounds, args.workers, args.pack_step, args.prompt_tokens) for _ in range(args.samples)]
     best = min(runs, key=lambda r: sum(r.values()))
     total = sum(best.values())
     totals = ", ".join(f"{sum(r.values()):.2f}" for r in runs)
-    print(f"{args.rounds} SUBMITs of {BATCH} jobs, {args.workers} worker(s), pack step {args.pack_step}; "
+    prompts = f"{args.prompt_tokens} token ids" if args.prompt_tokens else "100 characters"
+    print(f"{args.rounds} SUBMITs of {BATCH} jobs ({prompts} a prompt), {args.workers} worker(s), "
+          f"pack step {args.pack_step}; "
           f"best of {args.samples} runs (totals {totals} us/job)")  # fmt: skip
     for phase in PHASES:
         print(f"  {phase:<14} {best[phase]:6.3f} us/job  {best[phase] / total:6.1%}")

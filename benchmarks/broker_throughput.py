@@ -673,6 +673,13 @@ def main() -> None:
         "--ack", action="store_true", help="the clients' jobs ask for ACCEPTED (JobSpec.ack; off as in the client)"
     )
     ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the clients' prompts are N token ids, as an RL trainer sends them (default 0: 100 characters)",
+    )
+    ap.add_argument(
         "--broker-config",
         default="",
         metavar="KEY=INT,...",
@@ -689,6 +696,9 @@ def main() -> None:
     if args.ack:
         os.environ[roles.ACK_ENV] = "1"  # the client processes, spawned, read it (roles.ACK)
         roles.ACK = True
+    if args.prompt_tokens:
+        os.environ[roles.PROMPT_TOKENS_ENV] = str(args.prompt_tokens)  # read by the spawned clients too
+        roles.PROMPT_TOKENS = args.prompt_tokens
     if args.after_ref and not args.baseline_ref:
         ap.error("--after-ref needs --baseline-ref")
     if args.repeats < 1:

@@ -38,9 +38,23 @@ sends them (``broker_throughput.py --ack`` turns it on; a broker older than the 
 it and answers ACCEPTED anyway)."""
 
 
+PROMPT_TOKENS_ENV = "ZR_BENCH_PROMPT_TOKENS"
+PROMPT_TOKENS = int(os.environ.get(PROMPT_TOKENS_ENV) or 0)
+"""With ``broker_throughput.py --prompt-tokens N``: the clients' prompts are N token ids (as an
+RL trainer sends them) instead of ``PROMPT``; 0, the default: ``PROMPT``."""
+
+
 def bench_job(job_id: str) -> p.JobSpec:
     """A job as the benchmark's clients send it."""
+    if PROMPT_TOKENS:
+        return p.JobSpec(job_id, SAMPLING, prompt_token_ids=_prompt_ids(PROMPT_TOKENS), ack=ACK)
     return p.JobSpec(job_id, SAMPLING, PROMPT, ack=ACK)
+
+
+@functools.cache
+def _prompt_ids(n: int) -> list[int]:
+    """``n`` token ids of a 150k vocabulary, of 1-3 msgpack bytes each, as a real one's."""
+    return [(i * 7919) % 150_000 for i in range(n)]
 
 
 RAW_JOB = PROMPT.encode()  # the zmq.proxy baseline's unit of work: 100 opaque bytes
