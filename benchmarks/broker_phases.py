@@ -45,7 +45,7 @@ def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> di
     clock, now, jobs = time.thread_time, 0.0, 0
     rng = random.Random(0)
 
-    def ids_of(_: str) -> list[int]:
+    def prompt_ids() -> list[int]:
         return [rng.randrange(150_000) for _ in range(prompt_tokens)]
 
     gc.collect()
@@ -53,7 +53,7 @@ def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> di
         now += 0.001
         ids = [f"j{r}-{i}" for i in range(BATCH)]
         if prompt_tokens:
-            specs = [p.JobSpec(i, sampling, prompt_token_ids=ids_of(i), ack=False) for i in ids]
+            specs = [p.JobSpec(i, sampling, prompt_token_ids=prompt_ids(), ack=False) for i in ids]
         else:
             specs = [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids]
         submit = codec.encode(p.SUBMIT, specs, packed=True)

@@ -25,12 +25,10 @@ import msgspec
 
 from zmq_rollout import protocol as p
 from zmq_rollout.errors import ProtocolError
+from zmq_rollout.protocol.base import DECODE_ERRORS  # what decoding untrusted msgpack raises
 
 _encoder = msgspec.msgpack.Encoder()
 
-DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
-"""What decoding untrusted msgpack raises. msgspec raises ``RecursionError`` for nesting deeper
-than Python's recursion limit: a header of a thousand ``0x91`` bytes (array of one) does it."""
 
 # The body type of each command, per direction. Commands shared by two directions with a
 # different body (CANCEL: job ids from clients, tickets to workers) are listed per table.

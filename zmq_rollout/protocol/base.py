@@ -26,6 +26,11 @@ MAX_LORA_NAME = 128
 MAX_VERSION = (1 << 63) - 1
 
 
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+"""What decoding untrusted msgpack raises. msgspec raises ``RecursionError`` for nesting deeper
+than Python's recursion limit: a header of a thousand ``0x91`` bytes (array of one) does it."""
+
+
 class Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Base of every wire body. Extra trailing array items are ignored (forward compatible)."""
 

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .base import (
+    DECODE_ERRORS,
     MAX_JOB_ID,
     MAX_LORA_NAME,
     MAX_MESSAGES,
@@ -215,7 +216,7 @@ def sampling_n(raw: msgspec.Raw) -> int:
     if known is None:
         try:
             known = _sampling_decoder.decode(key).n
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        except DECODE_ERRORS as exc:
             known = f"sampling: {exc}"
         if len(_sampling_checked) >= _SAMPLING_CHECKED_MAX:
             _sampling_checked.clear()
@@ -235,16 +236,12 @@ def check_raw_list(name: str, raw: msgspec.Raw, limit: int) -> None:
     from its header alone: what the items are is the worker's to check. Raises ValueError."""
     view = memoryview(raw)
     head = view[0]
-    if 0x91 <= head <= 0x9F:  # fixarray of 1..15
-        if head - 0x90 <= limit:
-            return
+    if 0x90 <= head <= 0x9F:  # fixarray of 0..15
         count = head - 0x90
     elif head == 0xDC:  # array 16
         count = view[1] << 8 | view[2]
     elif head == 0xDD:  # array 32
         count = int.from_bytes(view[1:5], "big")
-    elif head == 0x90:
-        count = 0
     else:
         raise ValueError(f"{name} must be a list")
     if not 0 < count <= limit:
@@ -375,7 +372,7 @@ def unseal(sealed: SealedAssignment) -> Assignment | ErrorItem:
     """The ``Assignment``, or an ``invalid_request`` error keyed by its ticket."""
     try:
         return Assignment(sealed.ticket, _job_decoder.decode(sealed.job))
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except DECODE_ERRORS as exc:
         return ErrorItem(sealed.ticket, "invalid_request", f"invalid job: {exc}")
 
 
