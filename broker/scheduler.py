@@ -34,6 +34,9 @@ from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
 from .stats import BrokerStats
 from .sync import SyncCoordinator
 
+AnyResult = p.ResultRelay | p.SealedResult | p.Result
+"""A worker's result as the broker gets it: off the wire (FINAL, SEALED_FINAL) or built in Python."""
+
 log = logging.getLogger(__name__)
 
 MAX_REMEMBERED = 100_000  # answered job ids kept per client for resubmissions (see ClientState.finished)
@@ -243,13 +246,13 @@ class Scheduler:
             delta.key = job.spec.job_id
             self.outbox.to_client(job.client, p.PARTIAL, delta)
 
-    def worker_final(self, identity: WorkerId, results: list[p.ResultRelay], now: float) -> None:
+    def worker_final(self, identity: WorkerId, results: Sequence[AnyResult], now: float) -> None:
         worker = self.worker_seen(identity, now)
         if worker is None:
             return
         fleet = self.sync.fleet_version
         finals: dict[ClientId, list[Any]] = {}  # FINAL lists per client, while nothing else goes to one
-        done: list[tuple[Job, p.ResultRelay]] = []
+        done: list[tuple[Job, AnyResult]] = []
         running_here, clients, outbox = worker.running, self.clients, self.outbox
         last: ClientId | None = None  # the client of the result before (a FINAL's results come in runs)
         client: ClientState | None = None
@@ -278,15 +281,14 @@ class Scheduler:
             if client is not None:
                 client.running.pop(jid, None)
                 self._answered(client, jid)
-            result.key = jid
-            out.append(result)
+            out.append(result.to_client(jid))
             done.append((job, result))
         if done:
             self._offer(worker)  # once for its load after the whole message
             self._observe_done(worker, done, fleet, now)
         self.dispatch_soon(now)
 
-    def _observe_done(self, worker: WorkerState, done: list[tuple[Job, p.ResultRelay]], fleet: int, now: float) -> None:
+    def _observe_done(self, worker: WorkerState, done: list[tuple[Job, AnyResult]], fleet: int, now: float) -> None:
         """The metrics of one FINAL's finished jobs, per block: each distinct submission time's
         latency once, and the samples' staleness (``staleness.py``): n samples of the version
         the job was dispatched at, unless a sync came meanwhile; counted at once for the usual
@@ -313,7 +315,7 @@ class Scheduler:
         if tally is not None:
             tally.completed += len(done)
 
-    def _too_stale(self, worker: WorkerState, job: Job, result: p.ResultRelay, fleet: int, now: float) -> bool:
+    def _too_stale(self, worker: WorkerState, job: Job, result: AnyResult, fleet: int, now: float) -> bool:
         """A result further behind the fleet than its job's ``max_staleness``: the job runs again
         (``on_stale="restart"``, while restarts are left) or is answered ``stale``. False: fresh
         enough, the result goes on as usual."""

@@ -449,7 +449,7 @@ class Broker:
             sched.worker_seen(identity, now)
             return
         command, body = msg.command, msg.body
-        if command == p.FINAL:
+        if command in _RESULTS:
             sched.worker_final(identity, body, now)
         elif command == p.PARTIAL:
             sched.worker_partial(identity, body, now)
@@ -457,8 +457,9 @@ class Broker:
             sched.worker_seen(identity, now)
         elif command == p.READY:
             sched.worker_ready(identity, body, now)
-            # Tells the worker this broker reads the packed form (an older worker ignores the body).
-            sched.outbox.to_worker(identity, p.HEARTBEAT, p.Liveness(self.epoch, packed=True))
+            # Tells the worker this broker reads the packed form and SEALED_FINAL (an older worker
+            # ignores the body).
+            sched.outbox.to_worker(identity, p.HEARTBEAT, p.Liveness(self.epoch, packed=True, sealed=True))
         elif command == p.ERROR:
             sched.worker_error(identity, body, now)
         elif command == p.CREDIT:
@@ -467,6 +468,9 @@ class Broker:
             sched.worker_gone(identity, "worker left", now)
         elif command == p.CONTROL_ACK and sched.worker_seen(identity, now) is not None:
             sched.sync.ack(identity, body, now)
+
+
+_RESULTS = (p.FINAL, p.SEALED_FINAL)
 
 
 class BrokerThread:

@@ -64,7 +64,10 @@ def annotate(value: Any, label: str, depth: int = 0) -> list[tuple[bytes, int, s
         for i, item in enumerate(value):
             lines += annotate(item, f"[{i}]", depth + 1)
         return lines
-    shown = f"bin, {len(value)} bytes" if isinstance(value, bytes) else json.dumps(value).replace("null", "nil")
+    if isinstance(value, (bytes, memoryview)):
+        shown = f"bin, {len(value)} bytes"
+    else:
+        shown = json.dumps(value).replace("null", "nil")
     return [(msgspec.msgpack.encode(value), depth, f"{label}: {shown}")]
 
 
@@ -74,7 +77,8 @@ def example(command: bytes, body: Any, table: dict[bytes, Any], title: str) -> s
     header = frames[2]
     decoded = codec.Decoder(table).decode(frames).body
     assert decoded == body, f"{title}: does not decode back"
-    assert msgpack.unpackb(header, strict_map_key=False) == msgspec.to_builtins(body), title  # plain msgpack reads it
+    plain = msgspec.to_builtins(body, builtin_types=(bytes, memoryview))
+    assert msgpack.unpackb(header, strict_map_key=False) == plain, title  # plain msgpack reads it
     lines = annotate(body, "body")
     assert b"".join(chunk for chunk, _, _ in lines) == header, f"{title}: the annotation does not add up"
     name = p.COMMAND_NAMES[command].upper()
@@ -130,6 +134,20 @@ def submit() -> str:
 
 def final() -> str:
     return example(p.FINAL, [RESULT], codec.TO_CLIENT, "Its result from a worker named `w1`, as the client gets it")
+
+
+def sealed_final() -> str:
+    sealed = p.seal(p.Result(1, RESULT.prompt_token_ids, RESULT.samples, RESULT.weight_version, RESULT.worker_id))
+    body = bytes(sealed.result)
+    text = example(p.SEALED_FINAL, [sealed], codec.FROM_WORKER, "The same result as worker `w1` seals it for ticket 1")
+    return "\n".join(
+        [
+            text,
+            f"The bin's {len(body)} bytes are the Result above with nil (`c0`) for its key:",
+            f"`{_hex(body[:8])} ...`. The broker writes the job id in the nil's place.",
+            "",
+        ]
+    )
 
 
 def sync() -> str:
@@ -243,6 +261,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "sync-steps": steps,
     "submit-example": submit,
     "final-example": final,
+    "sealed-final-example": sealed_final,
     "sync-example": sync,
 }
 

@@ -57,6 +57,8 @@ class Worker:
         self._last_heard = 0.0
         self._packed = False
         """Whether to send the packed form: the broker said it reads it (``Liveness.packed``)."""
+        self._sealed = False
+        """Whether to send results as SEALED_FINAL: the broker said it reads it (``Liveness.sealed``)."""
         self._exit: asyncio.Future[int] | None = None
         self.sync = SyncParticipant(
             engine, lambda ack: self._send_now(p.CONTROL_ACK, ack), self._fatal, self.wait_for_jobs
@@ -74,7 +76,7 @@ class Worker:
         self._handshake_task = asyncio.ensure_future(self._handshakes(monitor_socket(sock, HANDSHAKE_EVENTS)))
         sock.connect(self.config.broker)
         self._sock = sock
-        self._packed = False  # until this connection's broker says otherwise
+        self._packed = self._sealed = False  # until this connection's broker says otherwise
         self._last_heard = time.monotonic()
         info = p.WorkerInfo(
             self.name,
@@ -252,8 +254,8 @@ class Worker:
                 await self._reconnect("broker said DISCONNECT")
             elif msg.command == p.CONTROL:
                 self.sync.submit(msg.body)
-            elif msg.command == p.HEARTBEAT and msg.body is not None and msg.body.packed:
-                self._packed = True
+            elif msg.command == p.HEARTBEAT and msg.body is not None:  # the broker's answer to READY
+                self._packed, self._sealed = msg.body.packed, msg.body.sealed
 
     # -- jobs ------------------------------------------------------------------------------
     def _start(self, assignment: p.Assignment) -> None:
@@ -272,7 +274,10 @@ class Worker:
                     self._queue(p.PARTIAL, item)
                 else:
                     item.worker_id = self.name
-                    self._queue(p.FINAL, item)
+                    if self._sealed:
+                        self._queue(p.SEALED_FINAL, p.seal(item))
+                    else:
+                        self._queue(p.FINAL, item)
                     self.metrics.job_done(time.monotonic() - started, sum(len(s.token_ids) for s in item.samples))
         except asyncio.CancelledError:
             raise

@@ -58,6 +58,7 @@ FROM_WORKER: dict[bytes, Any] = {
     # Token payloads stay raw msgpack in the broker: it routes on the key and forwards.
     p.PARTIAL: list[p.DeltaRelay],
     p.FINAL: list[p.ResultRelay],
+    p.SEALED_FINAL: list[p.SealedResult],  # the same, each result a bin the broker steps over
     p.ERROR: list[p.ErrorItem],
     p.HEARTBEAT: None,
     p.CONTROL_ACK: p.ControlAck,

@@ -143,17 +143,25 @@ class FakeBroker:
     """A ROUTER that one real worker connects to: it follows the worker's identity (a fresh
     one after every reconnect, announced by READY), sends it messages, and keeps what the
     worker answers: ``replies`` by command name, ``results`` and ``errors`` by ticket,
-    ``answers`` (how many FINAL and ERROR items came for each ticket)."""
+    ``answers`` (how many FINAL, SEALED_FINAL and ERROR items came for each ticket).
 
-    def __init__(self, address: str = "tcp://127.0.0.1:*", send_timeout_s: float = 10.0) -> None:
+    ``sealed``: answer each READY with a ``Liveness`` that says this broker reads SEALED_FINAL
+    (read at each READY: set it between two connections of the worker); else READY goes
+    unanswered, as from a broker older than that."""
+
+    def __init__(
+        self, address: str = "tcp://127.0.0.1:*", send_timeout_s: float = 10.0, *, sealed: bool = False
+    ) -> None:
         self._sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(address)
         self.send_timeout_s = send_timeout_s
+        self.sealed = sealed
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = codec.Decoder(codec.FROM_WORKER)
         self._full = msgspec.msgpack.Decoder(list[p.Result])
+        self._one = msgspec.msgpack.Decoder(p.Result)
         self.identity: bytes | None = None
         self.info: p.WorkerInfo | None = None
         self.readies = self.unroutable = self.undecodable = 0
@@ -176,7 +184,11 @@ class FakeBroker:
                 return
             try:
                 msg = self._decoder.decode(frames)
-                body: Any = self._full.decode(frames[2]) if msg.command == p.FINAL else msg.body
+                body: Any = msg.body
+                if msg.command == p.FINAL:  # whole, as a client decodes it
+                    body = self._full.decode(codec.parts(frames).header)
+                elif msg.command == p.SEALED_FINAL:  # opened as the broker gives it a client
+                    body = [self._one.decode(sealed.to_client(str(sealed.key))) for sealed in body]
             except (ProtocolError, msgspec.DecodeError, msgspec.ValidationError):  # the tests assert none
                 self.undecodable += 1
                 continue
@@ -184,7 +196,9 @@ class FakeBroker:
             if msg.command == p.READY:
                 self.identity, self.info = identity, body
                 self.readies += 1
-            elif msg.command == p.FINAL:
+                if self.sealed:
+                    self._sock.send_multipart([identity, *codec.encode(p.HEARTBEAT, p.Liveness("fake", sealed=True))])
+            elif msg.command in (p.FINAL, p.SEALED_FINAL):
                 for result in body:
                     self.results[int(result.key)] = result
                     self.answers[int(result.key)] += 1

@@ -236,6 +236,7 @@ def templates(table: str) -> list[tuple[bytes, Any]]:
             (p.CREDIT, 0),
             (p.PARTIAL, [p.Delta(7, 0, [4, 5], [-0.5, -0.25])]),
             (p.FINAL, [p.Result(7, [1, 2, 3], [sample], 0, "fuzz-worker")]),
+            (p.SEALED_FINAL, [p.seal(p.Result(7, [1, 2, 3], [sample], 0, "fuzz-worker"))]),
             (p.ERROR, [p.ErrorItem(7, "job_failed", "boom")]),
             (p.HEARTBEAT, None),
             (p.DISCONNECT, None),

@@ -46,8 +46,9 @@ class EchoWorkerDouble:
     CONTROL (a weight-sync step) is acknowledged at once with ``ok`` (see ``sync_ack``);
     ``commit`` sets ``weight_version``, which the next READY announces.
 
-    Like the real worker, it sends the packed form once the broker's answer to READY says the
-    broker reads it; ``split_only=True`` keeps the split form, as a worker older than it.
+    Like the real worker, it sends the packed form and SEALED_FINAL once the broker's answer to
+    READY says the broker reads them; ``split_only=True`` keeps the split form and FINAL, as a
+    worker older than both.
     """
 
     def __init__(
@@ -64,7 +65,7 @@ class EchoWorkerDouble:
     ) -> None:
         self.address = address
         self.split_only = split_only
-        self._packed = False
+        self._packed = self._sealed = False
         self.curve = curve
         self.name = name or f"echo-double-{uuid.uuid4().hex[:6]}"
         self.credits = credits
@@ -122,7 +123,7 @@ class EchoWorkerDouble:
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.address)
-        self._packed = False  # until this connection's broker says it reads the packed form
+        self._packed = self._sealed = False  # until this connection's broker says it reads them
         info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, ["echo"])
         sock.send_multipart(codec.encode(p.READY, info))
         return sock
@@ -139,14 +140,18 @@ class EchoWorkerDouble:
                 self.held.extend(jobs)
             elif jobs:
                 results = [echo_result(a, self.name, self.weight_version) for a in jobs]
-                sock.send_multipart(codec.encode(p.FINAL, results, packed=self._packed))
+                if self._sealed:
+                    sealed = [p.seal(r) for r in results]
+                    sock.send_multipart(codec.encode(p.SEALED_FINAL, sealed, packed=self._packed))
+                else:
+                    sock.send_multipart(codec.encode(p.FINAL, results, packed=self._packed))
         elif msg.command == p.CANCEL:
             self.cancelled.extend(msg.body)
             self.held = [a for a in self.held if a.ticket not in msg.body]
         elif msg.command == p.CONTROL:
             sock.send_multipart(codec.encode(p.CONTROL_ACK, self.sync_ack(msg.body), packed=self._packed))
         elif msg.command == p.HEARTBEAT and msg.body is not None and not self.split_only:
-            self._packed = msg.body.packed
+            self._packed, self._sealed = msg.body.packed, msg.body.sealed
         elif msg.command == p.DISCONNECT:
             self.disconnects += 1
             sock.close(linger=0)

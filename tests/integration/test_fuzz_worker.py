@@ -75,6 +75,7 @@ def test_a_real_worker_survives_fuzzing_and_then_answers_a_job_exactly_as_before
     assert isinstance(before, p.Result), before
     rss_start = rss_bytes(proc.pid)
 
+    fake.sealed = True  # the connections after the fuzz's DISCONNECTs send SEALED_FINAL
     fuzzer = Fuzzer("worker", SEED)
     try:
         fake.fuzz(fuzzer, MESSAGES)
@@ -92,6 +93,9 @@ def test_a_real_worker_survives_fuzzing_and_then_answers_a_job_exactly_as_before
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert (after.prompt_token_ids, after.weight_version, after.worker_id) == ([5, 6, 7, 8], 0, "fuzzed")
     assert fake.answers[1] == fake.answers[2] == 1
+    # The first connection's broker said nothing of SEALED_FINAL: the first result came as FINAL;
+    # the later ones, told, sealed each result (and the broker's view of it opens as the same).
+    assert fake.replies["final"] == 1 and fake.replies["sealed_final"] >= 1
     # Every message it could not decode counted (and the probe of settle()), none lost; every
     # answer it sent decodes; it reconnected on each well-formed DISCONNECT.
     assert fake.rejected > MESSAGES // 2

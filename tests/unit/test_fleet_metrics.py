@@ -216,12 +216,15 @@ def test_two_connections_under_one_name_are_one_series() -> None:
     assert s.stats.workers["w1"].gone_since is None  # one connection is still there
 
 
-def relayed(result: p.Result) -> list[p.ResultRelay]:
-    """``result`` as the broker gets it off the wire: samples left raw."""
-    return codec.Decoder(codec.FROM_WORKER).decode(codec.encode(p.FINAL, [result])).body  # type: ignore[no-any-return]
+def relayed(result: p.Result, command: bytes = p.FINAL) -> Any:
+    """``result`` as the broker gets it off the wire: samples left raw (FINAL), or sealed
+    whole (SEALED_FINAL)."""
+    body = [result] if command == p.FINAL else [p.seal(result)]
+    return codec.Decoder(codec.FROM_WORKER).decode(codec.encode(command, body)).body
 
 
-def test_staleness_per_sample_and_spans_of_samples_that_crossed_a_sync() -> None:
+@pytest.mark.parametrize("command", [p.FINAL, p.SEALED_FINAL], ids=["final", "sealed_final"])
+def test_staleness_per_sample_and_spans_of_samples_that_crossed_a_sync(command: bytes) -> None:
     s, clock = fleet(W1, credits=8)
     s.submit(C, [p.JobSpec("old", p.SamplingParams(n=3), prompt="x")], 1.0)
     s.submit(C, [p.JobSpec("crossed", p.SamplingParams(n=2), prompt="x")], 1.0)
@@ -229,12 +232,12 @@ def test_staleness_per_sample_and_spans_of_samples_that_crossed_a_sync() -> None
     round_to(s, 1, 2.0, (W1,))
     round_to(s, 2, 5.0, (W1,))  # fleet at 2; both jobs were dispatched at version 0
     sample = p.Sample(0, [5], [-0.1], "length")
-    s.worker_final(W1, relayed(p.Result(tickets["old"], [1], [sample] * 3, 0, "w1")), 9.0)
+    s.worker_final(W1, relayed(p.Result(tickets["old"], [1], [sample] * 3, 0, "w1"), command), 9.0)
     crossed = [
         p.Sample(0, [5, 6, 7, 8], [-0.1] * 4, "length", None, [0, 0, 1, 2]),
         p.Sample(1, [5, 6], [-0.1] * 2, "length", [{5: -0.1}, {6: -0.1}], [1, 2]),
     ]
-    s.worker_final(W1, relayed(p.Result(tickets["crossed"], [1], crossed, 2, "w1")), 9.0)
+    s.worker_final(W1, relayed(p.Result(tickets["crossed"], [1], crossed, 2, "w1"), command), 9.0)
     m = metrics(s, clock)
     stale = "zmq_rollout_sample_staleness_versions"
     assert m[f"{stale}_count"] == 5

@@ -6,8 +6,10 @@ versions as a committed round does."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from zmq_rollout import codec
@@ -33,7 +35,22 @@ def job(job_id: str = "j", **fields: Any) -> p.JobSpec:
 
 
 def sent_to(sent: Sent, side: int, command: bytes) -> list[Any]:
-    return [item for s, _, c, b in sent if (s, c) == (side, command) for item in b]
+    items = [item for s, _, c, b in sent if (s, c) == (side, command) for item in b]
+    if (side, command) == (CLIENT, p.FINAL):  # as the client decodes them (a sealed one is raw)
+        return msgspec.msgpack.decode(codec.encode_body(items), type=list[p.Result])
+    return items
+
+
+@pytest.fixture(params=[p.FINAL, p.SEALED_FINAL], ids=["final", "sealed_final"])
+def wire(request: pytest.FixtureRequest) -> Callable[[list[p.Result]], Any]:
+    """Results as the broker decodes them off the wire, in either command a worker sends."""
+    decoder = codec.Decoder(codec.FROM_WORKER)
+
+    def relayed(results: list[p.Result]) -> Any:
+        body = results if request.param == p.FINAL else [p.seal(r) for r in results]
+        return decoder.decode(codec.encode(request.param, body)).body
+
+    return relayed
 
 
 def committed(s: Scheduler, version: int) -> None:
@@ -53,11 +70,11 @@ def dispatched(s: Scheduler, spec: p.JobSpec, now: float = 0.0) -> int:
     return assignment.ticket  # type: ignore[no-any-return]
 
 
-def test_abort_answers_a_stale_error_naming_the_versions_and_frees_the_credits() -> None:
+def test_abort_answers_a_stale_error_naming_the_versions_and_frees_the_credits(wire: Any) -> None:
     s = make()
     ticket = dispatched(s, job(max_staleness=0))
     committed(s, 1)
-    s.worker_final(W1, [result(ticket, 1, per_token=[0, 0, 1])], 1.0)
+    s.worker_final(W1, wire([result(ticket, 1, per_token=[0, 0, 1])]), 1.0)
     sent = s.outbox.take()
     assert sent_to(sent, CLIENT, p.FINAL) == []
     (error,) = sent_to(sent, CLIENT, p.ERROR)
@@ -69,73 +86,73 @@ def test_abort_answers_a_stale_error_naming_the_versions_and_frees_the_credits()
     assert s.clients[A].running == {}
 
 
-def test_restart_runs_it_again_once_and_only_the_fresh_result_reaches_the_client() -> None:
+def test_restart_runs_it_again_once_and_only_the_fresh_result_reaches_the_client(wire: Any) -> None:
     s = make()
     first = dispatched(s, job(max_staleness=0, on_stale="restart"))
     committed(s, 1)
-    s.worker_final(W1, [result(first, 1, per_token=[0, 1, 1])], 1.0)
+    s.worker_final(W1, wire([result(first, 1, per_token=[0, 1, 1])]), 1.0)
     sent = s.outbox.take()
     assert sent_to(sent, CLIENT, p.FINAL) == [] and sent_to(sent, CLIENT, p.ERROR) == []
     (again,) = sent_to(sent, WORKER, p.JOBS)  # at once, to the (current) worker
     assert again.job.job_id == "j" and again.ticket != first
     assert s.stats.stale_restarted == 1 and s.workers[W1].credits_used == 2
-    s.worker_final(W1, [result(first, 1)], 1.5)  # a late copy of the old attempt is dropped
+    s.worker_final(W1, wire([result(first, 1)]), 1.5)  # a late copy of the old attempt is dropped
     assert sent_to(s.outbox.take(), CLIENT, p.FINAL) == []
-    s.worker_final(W1, [result(again.ticket, 1)], 2.0)
+    s.worker_final(W1, wire([result(again.ticket, 1)]), 2.0)
     (final,) = sent_to(s.outbox.take(), CLIENT, p.FINAL)
     assert final.key == "j" and final.weight_version == 1
     assert s.stats.completed == 1 and s.stats.failed == 0 and s.stats.requeued == 0
 
 
-def test_restarts_stop_at_max_stale_restarts_then_the_job_fails_stale() -> None:
+def test_restarts_stop_at_max_stale_restarts_then_the_job_fails_stale(wire: Any) -> None:
     s = make(max_stale_restarts=1)
     ticket = dispatched(s, job(max_staleness=0, on_stale="restart"))
     committed(s, 1)
-    s.worker_final(W1, [result(ticket, 1, per_token=[0, 1, 1])], 1.0)
+    s.worker_final(W1, wire([result(ticket, 1, per_token=[0, 1, 1])]), 1.0)
     (again,) = sent_to(s.outbox.take(), WORKER, p.JOBS)
     committed(s, 2)
-    s.worker_final(W1, [result(again.ticket, 2, per_token=[1, 2, 2])], 2.0)
+    s.worker_final(W1, wire([result(again.ticket, 2, per_token=[1, 2, 2])]), 2.0)
     sent = s.outbox.take()
     assert sent_to(sent, WORKER, p.JOBS) == []
     (error,) = sent_to(sent, CLIENT, p.ERROR)
     assert error.code == "stale" and "after 1 restarts" in error.message
 
 
-def test_within_the_limit_or_without_one_the_result_goes_on() -> None:
+def test_within_the_limit_or_without_one_the_result_goes_on(wire: Any) -> None:
     s = make()
     lenient = dispatched(s, job("lenient", max_staleness=1))
     unlimited = dispatched(s, job("unlimited"))
     committed(s, 1)
-    s.worker_final(W1, [result(lenient, 1, per_token=[0, 1, 1]), result(unlimited, 1, per_token=[0, 0, 1])], 1.0)
+    s.worker_final(W1, wire([result(lenient, 1, per_token=[0, 1, 1]), result(unlimited, 1, per_token=[0, 0, 1])]), 1.0)
     assert sorted(r.key for r in sent_to(s.outbox.take(), CLIENT, p.FINAL)) == ["lenient", "unlimited"]
     assert s.stats.stale == s.stats.stale_restarted == 0
 
 
-def test_a_result_whose_tokens_are_all_new_is_fresh_though_dispatched_before_the_sync() -> None:
+def test_a_result_whose_tokens_are_all_new_is_fresh_though_dispatched_before_the_sync(wire: Any) -> None:
     s = make()
     ticket = dispatched(s, job(max_staleness=0))
     committed(s, 1)
-    s.worker_final(W1, [result(ticket, 1, per_token=[1, 1, 1])], 1.0)
+    s.worker_final(W1, wire([result(ticket, 1, per_token=[1, 1, 1])]), 1.0)
     assert [r.key for r in sent_to(s.outbox.take(), CLIENT, p.FINAL)] == ["j"]
 
 
-def test_a_crossing_result_without_per_token_versions_counts_as_its_dispatch_version() -> None:
+def test_a_crossing_result_without_per_token_versions_counts_as_its_dispatch_version(wire: Any) -> None:
     """An unstreamed job that crossed a sync does not know its split: the broker counts it as
     made by the version its worker had at dispatch (never younger), so the limit holds."""
     s = make()
     ticket = dispatched(s, job(max_staleness=0))
     committed(s, 1)
-    s.worker_final(W1, [result(ticket, 1)], 1.0)
+    s.worker_final(W1, wire([result(ticket, 1)]), 1.0)
     assert [e.code for e in sent_to(s.outbox.take(), CLIENT, p.ERROR)] == ["stale"]
 
 
-def test_a_streamed_job_run_again_tells_its_client_to_drop_its_deltas() -> None:
+def test_a_streamed_job_run_again_tells_its_client_to_drop_its_deltas(wire: Any) -> None:
     """ACCEPTED again for a job already running: the client turns it into ``StreamRestarted``.
     Sent when a stale streamed job restarts and when its worker is lost."""
     s = make()
     ticket = dispatched(s, job("s", max_staleness=0, on_stale="restart", stream=True))
     committed(s, 1)
-    s.worker_final(W1, [result(ticket, 1, per_token=[0, 1, 1])], 1.0)
+    s.worker_final(W1, wire([result(ticket, 1, per_token=[0, 1, 1])]), 1.0)
     sent = s.outbox.take()
     assert sent_to(sent, CLIENT, p.ACCEPTED) == ["s"]
     s.worker_ready(b"worker-2", p.WorkerInfo("worker-2", "tiny", 4, 1), 1.0)

@@ -76,6 +76,10 @@ BODIES: dict[tuple[str, bytes], Any] = {
     ("FROM_WORKER", p.CREDIT): 17,
     ("FROM_WORKER", p.PARTIAL): [p.Delta(11, 1, [3], [-0.75])],
     ("FROM_WORKER", p.FINAL): [p.Result(11, [1], SAMPLES, 0, "w0")],
+    ("FROM_WORKER", p.SEALED_FINAL): [
+        p.seal(p.Result(11, [1], SAMPLES, 0, "w0")),
+        p.seal(p.Result(12, [2], [], 1, "w0")),
+    ],
     ("FROM_WORKER", p.ERROR): [p.ErrorItem(11, "invalid_request", "prompt too long")],
     ("FROM_WORKER", p.HEARTBEAT): None,
     ("FROM_WORKER", p.CONTROL_ACK): p.ControlAck(3, "check_names", True, 4, "", p.NameCheck(["a"], [])),
@@ -127,6 +131,13 @@ def test_round_trip(table: str, command: bytes) -> None:
         assert [x.key for x in msg.body] == [x.key for x in body]
         kind = list[p.Delta] if command == p.PARTIAL else list[p.Result]
         assert msgspec.msgpack.decode(codec.encode_body(msg.body), type=kind) == body
+    elif command == p.SEALED_FINAL:
+        # The broker steps over each sealed result and gives the client a plain Result.
+        assert [(x.key, x.weight_version) for x in msg.body] == [(11, 0), (12, 1)]
+        to_client = [x.to_client(f"job-{x.key}") for x in msg.body]
+        expected = [p.Result("job-11", [1], SAMPLES, 0, "w0"), p.Result("job-12", [2], [], 1, "w0")]
+        assert msgspec.msgpack.decode(codec.encode_body(to_client), type=list[p.Result]) == expected
+        assert msgspec.msgpack.decode(msg.body[0].samples, type=list[p.Sample]) == SAMPLES
     else:
         assert msg.body == body
     assert list(msg.blobs) == []

@@ -38,6 +38,7 @@ SYNC_REPLY = b"\x17"  # SyncReply: the outcome of a SyncStep
 READY = b"\x21"  # WorkerInfo: register (or re-register) with credits
 CREDIT = b"\x22"  # int: the worker's credits changed (absolute number)
 CONTROL_ACK = b"\x23"  # ControlAck: answer to a CONTROL step (weight sync)
+SEALED_FINAL = b"\x24"  # list[SealedResult]: FINAL with each result sealed, to a broker that reads it
 # broker -> worker
 JOBS = b"\x31"  # list[Assignment]
 CONTROL = b"\x32"  # Control: a step of a weight-sync round, for this worker
@@ -59,6 +60,7 @@ COMMAND_NAMES = {
     READY: "ready",
     CREDIT: "credit",
     CONTROL_ACK: "control_ack",
+    SEALED_FINAL: "sealed_final",
     JOBS: "jobs",
     CONTROL: "control",
 }

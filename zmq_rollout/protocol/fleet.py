@@ -38,6 +38,9 @@ class Liveness(Struct):
     packed: bool = False
     """The broker reads messages in the packed form (docs/protocol.md section 2); a broker older
     than this field leaves it out, and its peers send the split form."""
+    sealed: bool = False
+    """The broker reads SEALED_FINAL (results sealed in a bin, docs/protocol.md section 5.3); a
+    broker older than this field leaves it out, and its workers send FINAL."""
 
 
 class WorkerStatus(Struct):
