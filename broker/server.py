@@ -35,6 +35,7 @@ from zmq_rollout.errors import ConfigError, ProtocolError
 from zmq_rollout.gc_pauses import settle_heap
 
 from .busy_poll import BusyPoll, IdleCores, JobsPerMessage, busy_poll_s
+from .heap_keep import heap_keep_mib, keep_freed_memory
 from .outbox import CLIENT, WORKER
 from .own_process import owns_process
 from .packing import Packing, pack_step
@@ -194,6 +195,7 @@ class Broker:
         self._packing = Packing(pack_step(self.config.pack_step))  # on the thread that runs the loop
         if owns_process():  # the collector is the process's to set
             settle_heap(GC_YOUNG_THRESHOLD)
+        keep_freed_memory(heap_keep_mib(self.config.heap_keep_mib))  # the allocator too (0 on a thread)
         max_spin = busy_poll_s(self.config.busy_poll_us)
         spin = self._spin = BusyPoll(max_spin) if max_spin > 0 else None
         busy = False
