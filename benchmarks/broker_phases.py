@@ -1,14 +1,19 @@
 """Where the broker's per-job CPU goes with 64 jobs a message, phase by phase, in one process.
 
     python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--prompt-tokens 0]
+        [--sample-tokens 4] [--finals final,sealed_final] [--heap-keep-mib 64]
 
 No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
 loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
 64 jobs (100-character prompts, as ``broker_throughput.py``'s clients send; or, with
 ``--prompt-tokens N``, prompts of N token ids below 150,000, as an RL trainer sends) is decoded,
 submitted, dispatched and its JOBS encoded; then one FINAL per JOBS message (one 4-token
-sample per job, as the echo doubles answer) is decoded, handed to ``worker_final`` and the
-client's FINAL encoded. Each phase is timed by this thread's CPU time (``time.thread_time``),
+sample per job, as the echo doubles answer; or, with ``--sample-tokens N``, an N-token sample
+with its logprobs and the prompt's ids, as a worker answers an RL job) is decoded, handed to
+``worker_final`` and the client's FINAL encoded. ``--finals`` names the forms a worker sends
+its results in, each measured in turn: FINAL (the broker keeps token payloads raw, walking
+them) and SEALED_FINAL (each result a bin the broker steps over); the last line is the ratio
+of their totals. Each phase is timed by this thread's CPU time (``time.thread_time``),
 building the inputs is not. Prints us per job per phase, each phase's share, and the total
 against the issue's budget (issue 12, goal 1: 3 us per job for everything the broker does,
 sockets and polling included, which this leaves out).
@@ -23,6 +28,7 @@ import time
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.broker.heap_keep import DEFAULT_KEEP_MIB, keep_freed_memory
 from zmq_rollout.broker.scheduler import Scheduler
 from zmq_rollout.config import BrokerConfig
 
@@ -31,7 +37,9 @@ GOAL_US_PER_JOB = 3.0
 PHASES = ("decode SUBMIT", "submit", "dispatch", "encode JOBS", "decode FINAL", "worker_final", "encode FINAL")
 
 
-def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> dict[str, float]:
+def run(
+    rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0, sample_tokens: int = 4, final: bytes = p.FINAL
+) -> dict[str, float]:
     s = Scheduler(BrokerConfig())
     s.defer_dispatch = True
     for w in range(workers):
@@ -40,7 +48,8 @@ def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> di
     s.flush_dispatch(0.0)
     s.outbox.take()
     from_client, from_worker = codec.Decoder(codec.BROKER_FROM_CLIENT), codec.Decoder(codec.FROM_WORKER)
-    sampling, sample = p.SamplingParams(max_tokens=16), p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
+    sampling = p.SamplingParams(max_tokens=max(16, sample_tokens))
+    sample = p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
     spent = dict.fromkeys(PHASES, 0.0)
     clock, now, jobs = time.thread_time, 0.0, 0
     rng = random.Random(0)
@@ -48,6 +57,10 @@ def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> di
     def prompt_ids() -> list[int]:
         return [rng.randrange(150_000) for _ in range(prompt_tokens)]
 
+    if sample_tokens != 4:
+        draw = random.Random(1)
+        tokens = [draw.randrange(150_000) for _ in range(sample_tokens)]
+        sample = p.Sample(0, tokens, [-draw.random() * 5 for _ in tokens], "length")
     gc.collect()
     for r in range(rounds):
         now += 0.001
@@ -75,10 +88,12 @@ def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> di
         for _, worker, command, body in out:
             if command != p.JOBS:
                 continue
-            results = [p.Result(a.ticket, [1, 2, 3, 4], [sample], 0, "w") for a in body]
-            final = codec.encode(p.FINAL, results, packed=True)
+            results = [p.Result(a.ticket, a.job.prompt_token_ids or [1, 2, 3, 4], [sample], 0, "w") for a in body]
+            if final == p.SEALED_FINAL:
+                results = [p.seal(r) for r in results]  # type: ignore[misc]
+            answer = codec.encode(final, results, packed=True)
             t0 = clock()
-            message = from_worker.decode(final)
+            message = from_worker.decode(answer)
             t1 = clock()
             s.worker_final(worker, message.body, now + 0.0005)
             s.flush_dispatch(now)
@@ -95,6 +110,9 @@ def run(rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0) -> di
     return {phase: seconds / jobs * 1e6 for phase, seconds in spent.items()}
 
 
+FORMS = {"final": p.FINAL, "sealed_final": p.SEALED_FINAL}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3000, help="SUBMITs of 64 jobs (default 3000)")
@@ -102,19 +120,43 @@ def main() -> None:
     ap.add_argument("--pack-step", type=int, default=1, help="the dispatch step (1: least loaded first)")
     ap.add_argument("--samples", type=int, default=3, help="runs; the one with the lowest total is printed")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts of this many token ids (0: 100 characters)")
+    ap.add_argument("--sample-tokens", type=int, default=4, help="tokens of each job's one sample (default 4)")
+    ap.add_argument(
+        "--finals", default="final,sealed_final", help="the forms results come in, each measured (default both)"
+    )
+    ap.add_argument(
+        "--heap-keep-mib",
+        type=int,
+        default=DEFAULT_KEEP_MIB,
+        help=f"keep this much freed memory, as a broker in its own process does (default {DEFAULT_KEEP_MIB}; 0: the "
+        "allocator as it is)",
+    )
     args = ap.parse_args()
-    runs = [run(args.rounds, args.workers, args.pack_step, args.prompt_tokens) for _ in range(args.samples)]
-    best = min(runs, key=lambda r: sum(r.values()))
-    total = sum(best.values())
-    totals = ", ".join(f"{sum(r.values()):.2f}" for r in runs)
+    keep_freed_memory(args.heap_keep_mib)
+    forms = args.finals.split(",")
+    unknown = set(forms) - set(FORMS)
+    if unknown:
+        ap.error(f"--finals: unknown {sorted(unknown)}; choose from {sorted(FORMS)}")
     prompts = f"{args.prompt_tokens} token ids" if args.prompt_tokens else "100 characters"
-    print(f"{args.rounds} SUBMITs of {BATCH} jobs ({prompts} a prompt), {args.workers} worker(s), "
-          f"pack step {args.pack_step}; "
-          f"best of {args.samples} runs (totals {totals} us/job)")  # fmt: skip
-    for phase in PHASES:
-        print(f"  {phase:<14} {best[phase]:6.3f} us/job  {best[phase] / total:6.1%}")
-    print(f"  {'total':<14} {total:6.3f} us/job; the goal's budget for the whole broker {GOAL_US_PER_JOB} us/job: "
-          f"{total / GOAL_US_PER_JOB:.2f}x of it before any socket, poll or loop")  # fmt: skip
+    print(f"{args.rounds} SUBMITs of {BATCH} jobs ({prompts} a prompt, {args.sample_tokens}-token samples), "
+          f"{args.workers} worker(s), pack step {args.pack_step}, heap_keep_mib {args.heap_keep_mib}")  # fmt: skip
+    totals: dict[str, float] = {}
+    for form in forms:
+        runs = [
+            run(args.rounds, args.workers, args.pack_step, args.prompt_tokens, args.sample_tokens, FORMS[form])
+            for _ in range(args.samples)
+        ]
+        best = min(runs, key=lambda r: sum(r.values()))
+        total = totals[form] = sum(best.values())
+        print(f"results as {form.upper()}: best of {args.samples} runs "
+              f"(totals {', '.join(f'{sum(r.values()):.2f}' for r in runs)} us/job)")  # fmt: skip
+        for phase in PHASES:
+            print(f"  {phase:<14} {best[phase]:6.3f} us/job  {best[phase] / total:6.1%}")
+        print(f"  {'total':<14} {total:6.3f} us/job; the goal's budget for the whole broker {GOAL_US_PER_JOB} us/job: "
+              f"{total / GOAL_US_PER_JOB:.2f}x of it before any socket, poll or loop")  # fmt: skip
+    if len(totals) == 2 and "final" in totals:
+        (other,) = set(totals) - {"final"}
+        print(f"{other.upper()} / FINAL, total per job: {totals[other] / totals['final']:.2f}x")
 
 
 if __name__ == "__main__":

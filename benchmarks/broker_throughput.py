@@ -680,6 +680,15 @@ def main() -> None:
         help="the clients' prompts are N token ids, as an RL trainer sends them (default 0: 100 characters)",
     )
     ap.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the worker doubles answer each job with N-token samples and their logprobs, sealed "
+        "(SEALED_FINAL) where the broker reads it, and its prompt's ids (default 0: 4-token samples); the "
+        "proxy and HTTP baselines do not carry them",
+    )
+    ap.add_argument(
         "--broker-config",
         default="",
         metavar="KEY=INT,...",
@@ -699,6 +708,9 @@ def main() -> None:
     if args.prompt_tokens:
         os.environ[roles.PROMPT_TOKENS_ENV] = str(args.prompt_tokens)  # read by the spawned clients too
         roles.PROMPT_TOKENS = args.prompt_tokens
+    if args.sample_tokens:
+        os.environ[roles.SAMPLE_TOKENS_ENV] = str(args.sample_tokens)  # read by the spawned doubles
+        roles.SAMPLE_TOKENS = args.sample_tokens
     if args.after_ref and not args.baseline_ref:
         ap.error("--after-ref needs --baseline-ref")
     if args.repeats < 1:

@@ -51,6 +51,32 @@ def bench_job(job_id: str) -> p.JobSpec:
     return p.JobSpec(job_id, SAMPLING, PROMPT, ack=ACK)
 
 
+SAMPLE_TOKENS_ENV = "ZR_BENCH_SAMPLE_TOKENS"
+SAMPLE_TOKENS = int(os.environ.get(SAMPLE_TOKENS_ENV) or 0)
+"""With ``broker_throughput.py --sample-tokens N``: the worker doubles answer each job with
+samples of N tokens and their logprobs (as an RL rollout comes back); 0, the default: the echo
+double's 4-token samples."""
+
+
+def bench_result(assignment: p.Assignment, name: str) -> p.Result:
+    """A worker double's answer to a job: ``echo_result``, or with ``SAMPLE_TOKENS``, the job's
+    prompt ids and ``n`` samples of that many tokens with their logprobs."""
+    from zmq_rollout.testing import echo_result
+
+    if not SAMPLE_TOKENS:
+        return echo_result(assignment, name, 0)
+    job = assignment.job
+    tokens, logprobs = _sample(SAMPLE_TOKENS)
+    samples = [p.Sample(i, tokens, logprobs, "length") for i in range(job.sampling.n)]
+    return p.Result(assignment.ticket, job.prompt_token_ids or [len(job.prompt or "")], samples, 0, name)
+
+
+@functools.cache
+def _sample(n: int) -> tuple[list[int], list[float]]:
+    """``n`` token ids of a 150k vocabulary and their logprobs (float64 on the wire)."""
+    return [(i * 104_729) % 150_000 for i in range(n)], [-((i * 37) % 1000) / 137.0 for i in range(n)]
+
+
 @functools.cache
 def _prompt_ids(n: int) -> list[int]:
     """``n`` token ids of a 150k vocabulary, of 1-3 msgpack bytes each, as a real one's."""
@@ -492,8 +518,6 @@ def _serve_doubles(
     shows nothing, and every socket is looked at again after the heartbeats went out."""
     import select
 
-    from zmq_rollout.testing import echo_result
-
     epoll, by_fd = select.epoll(), {}
     for sock in socks:
         fd = int(sock.getsockopt(zmq.FD))
@@ -501,6 +525,7 @@ def _serve_doubles(
         epoll.register(fd, select.EPOLLIN)
     decoder, beats = codec.Decoder(codec.TO_WORKER), {f: codec.encode(p.HEARTBEAT, packed=f) for f in (False, True)}
     packed = dict.fromkeys(socks, False)  # per double: the broker's answer to READY said it reads packed
+    sealed = dict.fromkeys(socks, False)  # ... and SEALED_FINAL
     next_beat = time.monotonic() + heartbeat_s
     ready = list(socks)
     slot = FLEET_COUNTS * k
@@ -513,17 +538,21 @@ def _serve_doubles(
             while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
                 if msg.command == p.JOBS:
-                    results = [echo_result(a, name, 0) for a in msg.body]
-                    sock.send_multipart(codec.encode(p.FINAL, results, packed=packed[sock]))
+                    results = [bench_result(a, name) for a in msg.body]
+                    if sealed[sock]:
+                        answer = codec.encode(p.SEALED_FINAL, [p.seal(r) for r in results], packed=packed[sock])
+                    else:
+                        answer = codec.encode(p.FINAL, results, packed=packed[sock])
+                    sock.send_multipart(answer)
                     counts[slot] += len(msg.body)
                     counts[slot + 1] += 1
                 elif msg.command == p.HEARTBEAT:
                     counts[slot + 3] += 1
                     if msg.body is not None:
-                        packed[sock] = msg.body.packed
+                        packed[sock], sealed[sock] = msg.body.packed, msg.body.sealed
                 elif msg.command == p.DISCONNECT:  # the broker purged this double: taken for dead
                     counts[slot + 2] += 1
-                    packed[sock] = False
+                    packed[sock] = sealed[sock] = False
                     _send_now(sock, codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
         ready = []
         if time.monotonic() >= next_beat:
