@@ -58,17 +58,17 @@ samples of N tokens and their logprobs (as an RL rollout comes back); 0, the def
 double's 4-token samples."""
 
 
-def bench_result(assignment: p.Assignment, name: str) -> p.Result:
+def bench_result(assignment: p.Assignment, name: str, weight_version: int = 0) -> p.Result:
     """A worker double's answer to a job: ``echo_result``, or with ``SAMPLE_TOKENS``, the job's
     prompt ids and ``n`` samples of that many tokens with their logprobs."""
     from zmq_rollout.testing import echo_result
 
     if not SAMPLE_TOKENS:
-        return echo_result(assignment, name, 0)
+        return echo_result(assignment, name, weight_version)
     job = assignment.job
     tokens, logprobs = _sample(SAMPLE_TOKENS)
     samples = [p.Sample(i, tokens, logprobs, "length") for i in range(job.sampling.n)]
-    return p.Result(assignment.ticket, job.prompt_token_ids or [len(job.prompt or "")], samples, 0, name)
+    return p.Result(assignment.ticket, job.prompt_token_ids or [len(job.prompt or "")], samples, weight_version, name)
 
 
 @functools.cache
@@ -464,7 +464,10 @@ def echo_doubles(report: Any, tag: str, address: str, num: int, credits: int) ->
 
     stop = _stop_event()
     keys = curve_keys()
-    workers = [EchoWorkerDouble(address, credits=credits, name=f"{tag}-{i}", curve=keys).start() for i in range(num)]
+    workers = [
+        EchoWorkerDouble(address, credits=credits, name=f"{tag}-{i}", curve=keys, answer=bench_result).start()
+        for i in range(num)
+    ]
     report.put(("ready", tag, None))
     while not stop.wait(0.25):
         for w in workers:

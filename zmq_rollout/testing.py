@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -62,8 +63,11 @@ class EchoWorkerDouble:
         weight_version: int = 0,
         curve: PeerKeys | None = None,
         split_only: bool = False,
+        answer: Callable[[p.Assignment, str, int], p.Result] = echo_result,
     ) -> None:
         self.address = address
+        self.answer = answer
+        """What it answers a job with: ``answer(assignment, name, weight_version)``."""
         self.split_only = split_only
         self._packed = self._sealed = False
         self.curve = curve
@@ -139,7 +143,7 @@ class EchoWorkerDouble:
             if self.hold:
                 self.held.extend(jobs)
             elif jobs:
-                results = [echo_result(a, self.name, self.weight_version) for a in jobs]
+                results = [self.answer(a, self.name, self.weight_version) for a in jobs]
                 if self._sealed:
                     sealed = [p.seal(r) for r in results]
                     sock.send_multipart(codec.encode(p.SEALED_FINAL, sealed, packed=self._packed))
