@@ -542,7 +542,7 @@ def _serve_doubles(
                 msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
                 if msg.command == p.JOBS:
                     results = [bench_result(a, name) for a in msg.body]
-                    if sealed[sock]:
+                    if sealed[sock] and results and p.worth_sealing(results[0]):  # one size: the first's
                         answer = codec.encode(p.SEALED_FINAL, [p.seal(r) for r in results], packed=packed[sock])
                     else:
                         answer = codec.encode(p.FINAL, results, packed=packed[sock])

@@ -274,7 +274,7 @@ class Worker:
                     self._queue(p.PARTIAL, item)
                 else:
                     item.worker_id = self.name
-                    if self._sealed:
+                    if self._sealed and p.worth_sealing(item):
                         self._queue(p.SEALED_FINAL, p.seal(item))
                     else:
                         self._queue(p.FINAL, item)

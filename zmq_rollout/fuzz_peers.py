@@ -169,6 +169,8 @@ class FakeBroker:
         self.results: dict[int, p.Result] = {}
         self.errors: dict[int, p.ErrorItem] = {}
         self.answers: collections.Counter[int] = collections.Counter()
+        self.sealed_tickets: set[int] = set()
+        """The tickets whose result came sealed (SEALED_FINAL)."""
         self.acked_rounds: set[int] = set()
         self.probes = 0
         self.sent = self.frames = self.bytes = self.rejected = 0
@@ -202,6 +204,8 @@ class FakeBroker:
                 for result in body:
                     self.results[int(result.key)] = result
                     self.answers[int(result.key)] += 1
+                    if msg.command == p.SEALED_FINAL:
+                        self.sealed_tickets.add(int(result.key))
             elif msg.command == p.ERROR:
                 for err in body:
                     if isinstance(err.key, int):

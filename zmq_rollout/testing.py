@@ -47,9 +47,9 @@ class EchoWorkerDouble:
     CONTROL (a weight-sync step) is acknowledged at once with ``ok`` (see ``sync_ack``);
     ``commit`` sets ``weight_version``, which the next READY announces.
 
-    Like the real worker, it sends the packed form and SEALED_FINAL once the broker's answer to
-    READY says the broker reads them; ``split_only=True`` keeps the split form and FINAL, as a
-    worker older than both.
+    Like the real worker, it sends the packed form and SEALED_FINAL (for the results worth
+    sealing) once the broker's answer to READY says the broker reads them; ``split_only=True``
+    keeps the split form and FINAL, as a worker older than both.
     """
 
     def __init__(
@@ -80,6 +80,8 @@ class EchoWorkerDouble:
         self.received: list[p.Assignment] = []
         self.cancelled: list[int] = []
         self.disconnects = 0
+        self.sealed_sent = 0
+        """Results it sent as SEALED_FINAL (those ``p.worth_sealing``, once told)."""
         self._stop = threading.Event()
         self._silent = False
         self._thread: threading.Thread | None = None
@@ -144,11 +146,13 @@ class EchoWorkerDouble:
                 self.held.extend(jobs)
             elif jobs:
                 results = [self.answer(a, self.name, self.weight_version) for a in jobs]
-                if self._sealed:
-                    sealed = [p.seal(r) for r in results]
+                sealed = [p.seal(r) for r in results if self._sealed and p.worth_sealing(r)]
+                walked = [r for r in results if not (self._sealed and p.worth_sealing(r))]
+                if sealed:
                     sock.send_multipart(codec.encode(p.SEALED_FINAL, sealed, packed=self._packed))
-                else:
-                    sock.send_multipart(codec.encode(p.FINAL, results, packed=self._packed))
+                    self.sealed_sent += len(sealed)
+                if walked:
+                    sock.send_multipart(codec.encode(p.FINAL, walked, packed=self._packed))
         elif msg.command == p.CANCEL:
             self.cancelled.extend(msg.body)
             self.held = [a for a in self.held if a.ticket not in msg.body]

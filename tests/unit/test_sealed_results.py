@@ -46,6 +46,17 @@ def test_the_client_gets_the_sealed_result_keyed_by_job_ids_of_every_string_widt
     assert to_client == [expected]
 
 
+@pytest.mark.parametrize(
+    ("prompt", "sampled", "worth"),
+    [(p.SEAL_MIN_TOKENS - 1, [], False), (p.SEAL_MIN_TOKENS, [], True), (1, [31, 31], False), (2, [31, 31], True)],
+)
+def test_a_result_is_worth_sealing_from_seal_min_tokens_prompt_and_samples_together(
+    prompt: int, sampled: list[int], worth: bool
+) -> None:
+    samples = [p.Sample(i, [7] * n, [-0.5] * n, "length") for i, n in enumerate(sampled)]
+    assert p.worth_sealing(p.Result(1, [1] * prompt, samples, 0, "w")) is worth
+
+
 def test_sealing_leaves_the_result_as_it_was() -> None:
     original = result(11)
     sealed = p.seal(original)
@@ -171,8 +182,11 @@ def test_the_echo_double_seals_once_told_and_not_when_split_only(
     broker = start_broker()
     sealed = start_double(broker, credits=2, name="sealing-double")
     start_double(broker, credits=2, name="old-double", split_only=True)
-    poll_until(lambda: sealed._sealed, what="the double to be told")
     client = start_client(broker.frontend, name="c-doubles")
-    rollouts = client.generate([[1, 2, 3]] * 8, p.SamplingParams(max_tokens=2))
-    assert [r.prompt_token_ids for r in rollouts] == [[1, 2, 3]] * 8
+    long, short = list(range(1, p.SEAL_MIN_TOKENS + 1)), [1, 2, 3]
+    rollouts = client.generate([long] * 4 + [short] * 4, p.SamplingParams(max_tokens=2))
+    assert [r.prompt_token_ids for r in rollouts] == [long] * 4 + [short] * 4
     assert {r.worker_id for r in rollouts} == {"sealing-double", "old-double"}
+    # The sealing double sealed its long results alone: a short one goes as FINAL.
+    long_there = sum(r.prompt_token_ids == long for r in rollouts if r.worker_id == "sealing-double")
+    assert sealed.sealed_sent == long_there > 0

@@ -53,6 +53,7 @@ from .commands import (
 )
 from .fleet import ClientStatus, JobTotals, Liveness, StatusReply, WorkerInfo, WorkerStatus
 from .jobs import (
+    SEAL_MIN_TOKENS,
     Assignment,
     AssignmentRelay,
     ChatMessage,
@@ -70,6 +71,7 @@ from .jobs import (
     StructuredOutput,
     seal,
     unseal,
+    worth_sealing,
 )
 from .steps import (
     BACKENDS,
@@ -106,8 +108,8 @@ __all__ = [
     "ACCEPTED", "BACKENDS", "BUSY", "CANCEL", "COMMAND_NAMES", "CONTROL", "CONTROL_ACK", "CREDIT",
     "DISCONNECT", "DTYPE_SIZES", "ERROR", "FINAL", "HEARTBEAT", "JOBS", "MAX_JOBS_PER_MESSAGE", "MAX_JOB_ID",
     "MAX_LORA_NAME", "MAX_MESSAGES", "MAX_N", "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "MAX_STOP", "MAX_TOKENS",
-    "MAX_TOP_LOGPROBS", "MAX_VERSION", "PARTIAL", "PAUSE_MODES", "READY", "SEALED_FINAL", "SIGNATURE", "STATUS",
-    "STATUS_REPLY", "SUBMIT", "SYNC", "SYNC_OPS", "SYNC_REPLY", "UNKNOWN_LAYOUT",
+    "MAX_TOP_LOGPROBS", "MAX_VERSION", "PARTIAL", "PAUSE_MODES", "READY", "SEALED_FINAL", "SEAL_MIN_TOKENS",
+    "SIGNATURE", "STATUS", "STATUS_REPLY", "SUBMIT", "SYNC", "SYNC_OPS", "SYNC_REPLY", "UNKNOWN_LAYOUT",
     "Abort", "AckResult", "AnySyncOp", "Assignment", "AssignmentRelay", "Begin", "BeginUpdate", "Bucket",
     "ChatMessage", "CheckNames", "ClientStatus", "Commit", "Control", "ControlAck", "CudaIpcHandle", "Delta",
     "DeltaRelay", "ErrorItem", "Evicted", "FinishUpdate", "IpcSource", "JobRelay", "JobSpec", "JobTotals", "JoinGroup",
@@ -115,5 +117,5 @@ __all__ = [
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
     "SamplingParams", "SealedAssignment", "SealedResult", "StatusReply", "Struct", "StructuredOutput", "SyncOp",
     "SyncReply", "SyncStep", "TensorMeta",
-    "WorkerAck", "WorkerInfo", "WorkerStatus", "seal", "unseal",
+    "WorkerAck", "WorkerInfo", "WorkerStatus", "seal", "unseal", "worth_sealing",
 ]  # fmt: skip

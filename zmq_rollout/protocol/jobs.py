@@ -494,6 +494,21 @@ class SealedResult(Struct):
             return NIL
 
 
+SEAL_MIN_TOKENS = 64
+"""A result of fewer token ids than this, prompt and samples together, goes as FINAL even to a
+broker that reads SEALED_FINAL: walking its few items costs the broker less than splicing a
+sealed one (``benchmarks/broker_phases.py``, 4-token samples: 2.65 us a job as FINAL, 2.98-3.13
+sealed; 512 prompt ids and a 512-token sample: 20.6-21.7 against 11.5-12.4)."""
+
+
+def worth_sealing(result: Result) -> bool:
+    """Whether ``result`` costs the broker less sealed (``SEAL_MIN_TOKENS``)."""
+    tokens = len(result.prompt_token_ids)
+    for sample in result.samples:
+        tokens += len(sample.token_ids)
+    return tokens >= SEAL_MIN_TOKENS
+
+
 def seal(result: Result) -> SealedResult:
     """``result`` sealed for SEALED_FINAL: keyed by its ticket outside, nil inside."""
     body = _encode([None, result.prompt_token_ids, result.samples, result.weight_version, result.worker_id])
