@@ -146,8 +146,11 @@ class EchoWorkerDouble:
                 self.held.extend(jobs)
             elif jobs:
                 results = [self.answer(a, self.name, self.weight_version) for a in jobs]
-                sealed = [p.seal(r) for r in results if self._sealed and p.worth_sealing(r)]
-                walked = [r for r in results if not (self._sealed and p.worth_sealing(r))]
+                walked, sealed = results, []
+                if self._sealed:  # as the worker: a result worth sealing goes sealed
+                    worth = [p.worth_sealing(r) for r in results]
+                    sealed = [p.seal(r) for r, w in zip(results, worth, strict=True) if w]
+                    walked = [r for r, w in zip(results, worth, strict=True) if not w]
                 if sealed:
                     sock.send_multipart(codec.encode(p.SEALED_FINAL, sealed, packed=self._packed))
                     self.sealed_sent += len(sealed)
