@@ -7,8 +7,8 @@ freed) and gives freed memory at the top of its heap back to the kernel (above
 ``M_TRIM_THRESHOLD``, twice the former). A broker that frees a pass's messages and allocates
 the next pass's as large then touches fresh pages each pass: each costs a page fault,
 several microseconds on a VM. In ``benchmarks/broker_phases.py --prompt-tokens 512
---sample-tokens 512`` encoding the client's FINAL took 2.5-4.5 us a job, 1.5-1.8 with the
-memory kept.
+--sample-tokens 512`` encoding the client's FINAL took 2.8-5.0 us a job, 1.6-2.0 with the
+memory kept (benchmarks/README.md, ninth session).
 
 So a broker in its own process sets both thresholds once, at start (``mallopt``): blocks
 below ``heap_keep_mib`` come from the heap, and up to that much freed memory stays with the

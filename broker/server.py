@@ -54,6 +54,8 @@ collector was a tenth of the broker's CPU unbatched (8c x 8w); 20,000: 4-9% more
 # an option lookup and checks per frame (half the broker's time per message, unbatched).
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RESULTS = (p.FINAL, p.SEALED_FINAL)
+"""The commands that end tickets with a result (``Scheduler.worker_final``)."""
 _COPY_BELOW = 1 << 16
 """Frames shorter than this are sent copied: a zero-copy send of a small frame costs more (pyzmq
 builds a ``Frame`` and copies it anyway below its own ``COPY_THRESHOLD``)."""
@@ -470,9 +472,6 @@ class Broker:
             sched.worker_gone(identity, "worker left", now)
         elif command == p.CONTROL_ACK and sched.worker_seen(identity, now) is not None:
             sched.sync.ack(identity, body, now)
-
-
-_RESULTS = (p.FINAL, p.SEALED_FINAL)
 
 
 class BrokerThread:
