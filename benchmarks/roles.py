@@ -28,6 +28,8 @@ import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.batching import append
+from zmq_rollout.testing import echo_result
 
 PROMPT = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(100)
 SAMPLING = p.SamplingParams(max_tokens=16)
@@ -61,8 +63,6 @@ double's 4-token samples."""
 def bench_result(assignment: p.Assignment, name: str, weight_version: int = 0) -> p.Result:
     """A worker double's answer to a job: ``echo_result``, or with ``SAMPLE_TOKENS``, the job's
     prompt ids and ``n`` samples of that many tokens with their logprobs."""
-    from zmq_rollout.testing import echo_result
-
     if not SAMPLE_TOKENS:
         return echo_result(assignment, name, weight_version)
     job = assignment.job
@@ -541,12 +541,11 @@ def _serve_doubles(
             while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
                 if msg.command == p.JOBS:
-                    results = [bench_result(a, name) for a in msg.body]
-                    if sealed[sock] and results and p.worth_sealing(results[0]):  # one size: the first's
-                        answer = codec.encode(p.SEALED_FINAL, [p.seal(r) for r in results], packed=packed[sock])
-                    else:
-                        answer = codec.encode(p.FINAL, results, packed=packed[sock])
-                    sock.send_multipart(answer)
+                    segments: list[list[Any]] = []  # coalesced as the worker's (FINAL, SEALED_FINAL)
+                    for a in msg.body:
+                        append(segments, *p.final_item(bench_result(a, name), sealed[sock]))
+                    for command, items in segments:
+                        sock.send_multipart(codec.encode(command, items, packed=packed[sock]))
                     counts[slot] += len(msg.body)
                     counts[slot + 1] += 1
                 elif msg.command == p.HEARTBEAT:

@@ -274,10 +274,7 @@ class Worker:
                     self._queue(p.PARTIAL, item)
                 else:
                     item.worker_id = self.name
-                    if self._sealed and p.worth_sealing(item):
-                        self._queue(p.SEALED_FINAL, p.seal(item))
-                    else:
-                        self._queue(p.FINAL, item)
+                    self._queue(*p.final_item(item, self._sealed))
                     self.metrics.job_done(time.monotonic() - started, sum(len(s.token_ids) for s in item.samples))
         except asyncio.CancelledError:
             raise

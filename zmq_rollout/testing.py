@@ -20,6 +20,7 @@ import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.batching import append
 from zmq_rollout.curve import PeerKeys
 
 
@@ -145,17 +146,13 @@ class EchoWorkerDouble:
             if self.hold:
                 self.held.extend(jobs)
             elif jobs:
-                results = [self.answer(a, self.name, self.weight_version) for a in jobs]
-                walked, sealed = results, []
-                if self._sealed:  # as the worker: a result worth sealing goes sealed
-                    worth = [p.worth_sealing(r) for r in results]
-                    sealed = [p.seal(r) for r, w in zip(results, worth, strict=True) if w]
-                    walked = [r for r, w in zip(results, worth, strict=True) if not w]
-                if sealed:
-                    sock.send_multipart(codec.encode(p.SEALED_FINAL, sealed, packed=self._packed))
-                    self.sealed_sent += len(sealed)
-                if walked:
-                    sock.send_multipart(codec.encode(p.FINAL, walked, packed=self._packed))
+                segments: list[list[Any]] = []  # coalesced as the worker's (FINAL, SEALED_FINAL)
+                for a in jobs:
+                    append(segments, *p.final_item(self.answer(a, self.name, self.weight_version), self._sealed))
+                for command, items in segments:
+                    sock.send_multipart(codec.encode(command, items, packed=self._packed))
+                    if command == p.SEALED_FINAL:
+                        self.sealed_sent += len(items)
         elif msg.command == p.CANCEL:
             self.cancelled.extend(msg.body)
             self.held = [a for a in self.held if a.ticket not in msg.body]

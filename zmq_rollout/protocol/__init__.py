@@ -69,6 +69,7 @@ from .jobs import (
     SealedAssignment,
     SealedResult,
     StructuredOutput,
+    final_item,
     seal,
     unseal,
     worth_sealing,
@@ -117,5 +118,5 @@ __all__ = [
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
     "SamplingParams", "SealedAssignment", "SealedResult", "StatusReply", "Struct", "StructuredOutput", "SyncOp",
     "SyncReply", "SyncStep", "TensorMeta",
-    "WorkerAck", "WorkerInfo", "WorkerStatus", "seal", "unseal", "worth_sealing",
+    "WorkerAck", "WorkerInfo", "WorkerStatus", "final_item", "seal", "unseal", "worth_sealing",
 ]  # fmt: skip

@@ -30,6 +30,7 @@ from .base import (
     check_finite,
     check_int,
 )
+from .commands import FINAL, SEALED_FINAL
 
 MAX_SESSION_ID = MAX_JOB_ID
 MAX_STOP_TOKEN_IDS = 64
@@ -507,6 +508,15 @@ def worth_sealing(result: Result) -> bool:
     for sample in result.samples:
         tokens += len(sample.token_ids)
     return tokens >= SEAL_MIN_TOKENS
+
+
+def final_item(result: Result, sealed: bool) -> tuple[bytes, Result | SealedResult]:
+    """The command and item that end ``result``'s ticket: SEALED_FINAL and ``result`` sealed
+    where the broker reads it (``sealed``, from its ``Liveness``) and ``worth_sealing``; else
+    FINAL and ``result``."""
+    if sealed and worth_sealing(result):
+        return SEALED_FINAL, seal(result)
+    return FINAL, result
 
 
 def seal(result: Result) -> SealedResult:
