@@ -6,6 +6,7 @@ protocol as p``; ``p.SUBMIT``, ``p.JobSpec``, ``p.Commit``):
 - ``commands``: the frames and the one-byte commands;
 - ``base``: the Struct base every body derives from, the limits, the range checks;
 - ``jobs``: jobs and their answers (SUBMIT, JOBS, PARTIAL, FINAL, ERROR);
+- ``relays``: answers as the broker relays them without decoding their tokens (SEALED_FINAL);
 - ``fleet``: READY and STATUS_REPLY;
 - ``steps``: the steps of a weight-sync round, one tagged Struct each, and what they carry;
 - ``sync``: the messages of a round (SYNC, SYNC_REPLY, CONTROL, CONTROL_ACK).
@@ -53,27 +54,21 @@ from .commands import (
 )
 from .fleet import ClientStatus, JobTotals, Liveness, StatusReply, WorkerInfo, WorkerStatus
 from .jobs import (
-    SEAL_MIN_TOKENS,
     Assignment,
     AssignmentRelay,
     ChatMessage,
     Delta,
-    DeltaRelay,
     ErrorItem,
     JobRelay,
     JobSpec,
     Result,
-    ResultRelay,
     Sample,
     SamplingParams,
     SealedAssignment,
-    SealedResult,
     StructuredOutput,
-    final_item,
-    seal,
     unseal,
-    worth_sealing,
 )
+from .relays import SEAL_MIN_TOKENS, DeltaRelay, ResultRelay, SealedResult, final_item, seal, worth_sealing
 from .steps import (
     BACKENDS,
     DTYPE_SIZES,
