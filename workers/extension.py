@@ -4,6 +4,9 @@ vLLM mixes this class into its ``Worker``; the worker process calls it through
 ``AsyncLLM.collective_rpc``, which runs the call in every engine worker process (one per
 tensor-parallel rank). It is a shim: ``zr_sync`` takes a ``Control`` as msgpack bytes,
 decodes it with a typed decoder, and hands it to this process's ``Receiver``.
+
+Importing it also asks Linux for AMX tile state for this process (``amx.py``): vLLM's CPU
+kernels use AMX without asking, and die of SIGILL on a machine that has it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import msgspec
 
 from zmq_rollout import protocol as p
 
+from .amx import request_amx_tiles
 from .receiver import Receiver
 
 __all__ = ["WeightSyncExtension"]
+
+request_amx_tiles()  # vLLM imports this module in its worker process before it loads the model
 
 _control = msgspec.msgpack.Decoder(p.Control)
 

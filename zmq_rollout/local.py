@@ -73,6 +73,27 @@ def make_nicer(pid: int, niceness: int) -> None:
         group.write(str(min(19, niceness)))
 
 
+_CAUSES = ("Fatal Python error", "died unexpectedly", "Error: ", "Killed", "Traceback")
+"""Words of a log line that tells why a process died: a crash (faulthandler), an engine's
+worker process gone (vLLM's executor), an exception's last line, the OOM killer."""
+
+
+def log_excerpt(path: str, tail: int = 12, causes: int = 6, width: int = 300) -> str:
+    """The lines of a dead process's log that tell why: its first ``causes`` lines with words of
+    ``_CAUSES``, then its last ``tail`` lines (each cut at ``width`` characters); a note if the
+    log cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            lines = [line.decode("utf-8", "replace").rstrip() for line in f.read().splitlines()]
+    except OSError as exc:
+        return f"(no log: {exc.strerror})"
+    lines = [line for line in lines if line.strip()]
+    last = lines[-tail:]
+    found = [line for line in lines[: len(lines) - len(last)] if any(c in line for c in _CAUSES)][:causes]
+    picked = [*found, *(["..."] if found else []), *last]
+    return "\n".join(line[:width] for line in picked)
+
+
 class LocalCluster:
     def __init__(
         self,
@@ -169,10 +190,21 @@ class LocalCluster:
         while len(self.registered()) < count:
             dead = {n: proc.returncode for n, proc in self.workers.items() if proc.poll() is not None}
             if dead:
-                raise RuntimeError(f"worker process(es) exited before registering: {dead}")
+                raise RuntimeError(f"worker process(es) exited before registering: {dead}{self._logs_of(dead)}")
             if time.monotonic() > deadline:
                 raise RolloutTimeoutError(f"{len(self.registered())} of {count} workers registered after {timeout_s} s")
             time.sleep(0.2)
+
+    def _logs_of(self, names: dict[str, int]) -> str:
+        """What the logs of ``names`` say of their end (for the error that reports them), or
+        where to look: without a ``log_dir`` their output went nowhere."""
+        if not self.log_dir:
+            return " (start the cluster with log_dir=... to keep the workers' output)"
+        return "".join(
+            f"\n--- {name}: {path} ---\n{log_excerpt(path)}"
+            for name in names
+            for path in [os.path.join(self.log_dir, f"{name}.log")]
+        )
 
     def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Kill a worker's whole process group (the worker and its vLLM engine core)."""

@@ -1,5 +1,6 @@
 """``LocalCluster``'s workers run nicer than the broker and the clients beside them (the engines
-busy-spin on every core; at equal priority a heartbeat or a streamed token waits seconds)."""
+busy-spin on every core; at equal priority a heartbeat or a streamed token waits seconds), and a
+worker that dies before it registers is reported with what its log says."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zmq_rollout.local import make_nicer
+import pytest
+
+from zmq_rollout.local import LocalCluster, log_excerpt, make_nicer
 
 
 def test_a_worker_process_and_its_session_group_run_nicer() -> None:
@@ -22,3 +25,45 @@ def test_a_worker_process_and_its_session_group_run_nicer() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- a worker that dies before it registers: the error says why ------------------------------
+def test_the_excerpt_of_a_dead_workers_log_has_the_cause_and_the_end(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    noise = [f"INFO loading {i}" for i in range(40)]
+    log.write_text(
+        "\n".join(
+            [
+                *noise[:20],
+                "(EngineCore pid=1) ERROR Worker proc VllmWorker-0 died unexpectedly (exit code: -4)",
+                *noise[20:],
+                "",
+                "EngineDeadError: EngineCore encountered an issue.",
+            ]
+        )
+    )
+    lines = log_excerpt(str(log), tail=3).splitlines()
+    assert lines[0].endswith("died unexpectedly (exit code: -4)")
+    assert lines[1] == "..."
+    assert lines[2:] == ["INFO loading 38", "INFO loading 39", "EngineDeadError: EngineCore encountered an issue."]
+    assert log_excerpt(str(tmp_path / "missing.log")) == "(no log: No such file or directory)"
+
+
+def test_a_worker_that_exits_before_registering_is_reported_with_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = LocalCluster("/no/model", log_dir=str(tmp_path))
+    monkeypatch.setattr(cluster, "registered", list)
+    (tmp_path / "worker-0.log").write_text("Fatal Python error: Illegal instruction\nthe end\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    cluster.workers["worker-0"] = proc
+    with pytest.raises(RuntimeError) as err:
+        cluster.wait_for_workers(1, 30)
+    text = str(err.value)
+    assert "exited before registering: {'worker-0': 3}" in text
+    assert f"--- worker-0: {tmp_path / 'worker-0.log'} ---" in text
+    assert text.endswith("Fatal Python error: Illegal instruction\nthe end")
+    cluster.log_dir = None
+    with pytest.raises(RuntimeError, match=r"start the cluster with log_dir=\.\.\. to keep the workers' output"):
+        cluster.wait_for_workers(1, 30)
