@@ -8,13 +8,14 @@ One broker per worker count (1, 8, 64, 256, 1,024; ``--quick``: 1, 8, 1,024), th
 ``Broker(BrokerConfig(...))`` with its default heartbeat (1 s) and liveness (5 beats). The
 workers are echo worker doubles (TEST DOUBLES that answer every job at once, no model),
 ``roles.echo_double_fleet``: each its own DEALER with its own identity, spread over
-``--worker-procs`` processes of ``--worker-threads`` threads, heartbeating every second as
-the real worker does. For each client count (1, 8, 64, largest first) the clients
-(``roles.client_fleet``: each its own DEALER and identity, speaking the protocol through the
-codec; up to ``--client-procs`` processes) run one batched and one unbatched window, like
-``broker_throughput.py``'s raw clients: 4 SUBMITs x 64 jobs, or 64 one-job SUBMITs, in
-flight per client. Per window: jobs/s, and the broker process's CPU time per completed job
-(``/proc``), the figure the goal is about; every ratio is to the 8 x 8 case of the same mode.
+``--worker-procs`` processes of ``--worker-threads`` threads, heartbeating every second as the real worker
+does. For each client count (1, 8, 64, largest first) the clients (``roles.client_fleet``: each
+its own DEALER and identity, their SUBMITs made from a byte template, or through the codec with
+``--doubles echo``; up to ``--client-procs`` processes) run one batched and one unbatched
+window, like ``broker_throughput.py``'s raw clients: 4 SUBMITs x 64 jobs, or 64 one-job
+SUBMITs, in flight per client. Per window: jobs/s, and the broker process's CPU time per
+completed job (``/proc``), the figure the goal is about; every ratio is to the 8 x 8 case of
+the same mode.
 
 Memory: the broker's VmRSS (``/proc/PID/status``) with no peer, after every worker has
 registered (STATUS lists them all), and after the first (largest) set of clients has
@@ -445,7 +446,7 @@ def report(
         f"window; total {elapsed:.0f} s; load average {load0[0]:.2f} -> {os.getloadavg()[0]:.2f}"
     )
     print(
-        f"workers: echo worker doubles (TEST DOUBLES, no model), {args.credits} credits each, over "
+        f"workers: {args.doubles} echo worker doubles (TEST DOUBLES, no model), {args.credits} credits each, over "
         f"{args.worker_procs} processes x {args.worker_threads} threads, heartbeat "
         f"{WorkerConfig().heartbeat_interval_s} s; broker: default BrokerConfig (heartbeat "
         f"{cfg.heartbeat_interval_s} s, a worker silent {cfg.worker_expiry_s} s is purged)"

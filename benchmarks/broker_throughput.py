@@ -6,11 +6,16 @@
     python benchmarks/broker_throughput.py --baseline-ref 39adf1e  # broker cases, that commit's broker vs. this one
     python benchmarks/broker_throughput.py --scale    # 1 to 1,024 workers, 1 to 64 clients (broker_scale.py), ~3 min
 
-Every party is its own spawned process: the broker; the workers (``EchoWorkerDouble``, the
-*test double* that answers each job at once, as threads spread over ``--worker-procs``
-processes); each client. So what is measured is the broker's cost, and on a small machine
-every process competes for the same cores: the table shows each role's CPU use to tell a
-saturated broker from a starved one. Prompts are 100 bytes. See benchmarks/README.md.
+Every party is its own spawned process: the broker; the workers (*test doubles* that answer
+each job at once, spread over ``--worker-procs`` processes); each client. So what is measured is
+the broker's cost, and on a small machine every process competes for the same cores: the table
+shows each role's CPU use to tell a saturated broker from a starved one. Prompts are 100 bytes.
+
+``--doubles lean`` (the default): the workers are ``roles.echo_double_fleet`` (one thread per
+process serving its doubles' sockets) and clients and workers make their messages from byte
+templates (``lean_doubles.py``): the same bytes as ``--doubles echo``, where the workers are
+``EchoWorkerDouble`` threads and clients and workers build and read every object through the
+codec, which left the broker a third of the 2 cores. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import profiling
 import roles
 from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, percentile_us, report, report_comparison
 
-from zmq_rollout.config import BrokerConfig
+from zmq_rollout.config import BrokerConfig, WorkerConfig
 
 CTX = mp.get_context("spawn")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -287,11 +292,24 @@ def start_servers(
             g.start("server", "broker", roles.broker, profile)
             front, back, g.broker_metrics = g.expect("ready", ["broker"])["broker"]
         target, extra = roles.echo_doubles, (args.credits,)
-    tags = [
-        g.start("workers", f"workers{i}", target, back, n, *extra)
-        for i, n in enumerate(split(setup.workers, args.worker_procs))
-    ]
-    return front, tags
+    sizes = split(setup.workers, args.worker_procs)
+    if setup.kind != "proxy" and args.doubles == "lean":
+        heartbeat_s = WorkerConfig().heartbeat_interval_s
+        return front, [
+            g.start(
+                "workers",
+                f"workers{i}",
+                roles.echo_double_fleet,
+                back,
+                n,
+                args.credits,
+                1,  # one thread per process: they take turns on the GIL anyway
+                heartbeat_s,
+                CTX.Array("q", roles.FLEET_COUNTS, lock=False),
+            )
+            for i, n in enumerate(sizes)
+        ]
+    return front, [g.start("workers", f"workers{i}", target, back, n, *extra) for i, n in enumerate(sizes)]
 
 
 def run_throughput(
@@ -622,6 +640,14 @@ def main() -> None:
     ap.add_argument("--credits", type=int, default=64, help="credits per echo double (vLLM max_num_seqs)")
     ap.add_argument("--worker-procs", type=int, default=2, help="processes the worker threads are spread over")
     ap.add_argument(
+        "--doubles",
+        choices=["lean", "echo"],
+        default="lean",
+        help="the broker cases' test doubles: lean (default: a fleet of worker doubles per process, clients "
+        "and workers making the same bytes from templates) or echo (EchoWorkerDouble threads, everything "
+        "built and read through the codec, as before the tenth session)",
+    )
+    ap.add_argument(
         "--scale",
         action="store_true",
         help="instead of the matrix: the broker's CPU per job and memory with 1 to 1,024 workers and 1 to 64 "
@@ -705,6 +731,8 @@ def main() -> None:
     if args.ack:
         os.environ[roles.ACK_ENV] = "1"  # the client processes, spawned, read it (roles.ACK)
         roles.ACK = True
+    os.environ[roles.DOUBLES_ENV] = args.doubles  # read by the spawned clients and doubles
+    roles.LEAN = args.doubles == "lean"
     if args.prompt_tokens:
         os.environ[roles.PROMPT_TOKENS_ENV] = str(args.prompt_tokens)  # read by the spawned clients too
         roles.PROMPT_TOKENS = args.prompt_tokens

@@ -71,6 +71,21 @@ def _cpu_model() -> str:
         return platform.processor() or "?"
 
 
+def doubles_line(args: Any) -> str:
+    """How the broker cases' worker doubles (``--doubles``) were laid out."""
+    if args.doubles == "lean":
+        return (
+            f"lean worker doubles, TEST DOUBLES that answer every job at once (no model) from a byte template, "
+            f"{args.credits} credits each, spread over up to {args.worker_procs} processes of one thread; the "
+            "clients' SUBMITs are byte templates too, their answers counted from headers"
+        )
+    return (
+        "EchoWorkerDouble, a TEST DOUBLE that answers every job instantly (no model), "
+        f"{args.credits} credits each, as threads spread over up to {args.worker_procs} processes "
+        f"(64 workers = {args.worker_procs} processes x {64 // args.worker_procs} threads)"
+    )
+
+
 def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any, elapsed: float) -> None:
     print()
     print(
@@ -78,12 +93,7 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         f"mode: {'quick' if args.quick else 'default'} ({args.warmup} s warm-up + {args.duration} s measured "
         f"per case); total {elapsed:.0f} s"
     )
-    print(
-        "workers: EchoWorkerDouble, a TEST DOUBLE that answers every job instantly (no model), "
-        f"{args.credits} credits each, as threads spread over up to {args.worker_procs} processes "
-        f"(64 workers = {args.worker_procs} processes x {64 // args.worker_procs} threads); "
-        "zmq.proxy's workers: raw DEALER echo threads, laid out the same way"
-    )
+    print(f"workers: {doubles_line(args)}; zmq.proxy's workers: raw DEALER echo threads, spread the same way")
     print(
         f"clients: one process each; unbatched = {SINGLE_WINDOW} one-job messages in flight per client, "
         f"batched = {BATCH_WINDOW} messages x {BATCH} jobs in flight per client; HTTP: 1 aiohttp process, "
@@ -224,7 +234,7 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         "mode": "quick" if args.quick else "default",
         "duration_s": args.duration,
         "cpus": os.cpu_count(),
-        "workers": "EchoWorkerDouble (test double)",
+        "workers": f"{args.doubles} doubles (test doubles)",
         "throughput": rows,
         "latency_us": lat,
         "broker_added_latency_us": added,
@@ -287,7 +297,7 @@ def report_comparison(
         print(f"  {line}")
     print(
         f"Each case ran {args.repeats} times as a pair (before and after back to back, alternating which goes "
-        "first), with the same clients and EchoWorkerDouble workers (this checkout's) for both; figures are "
+        f"first), with the same clients and {args.doubles} worker doubles (this checkout's) for both; figures are "
         "medians over the pairs, after/before is median over median, 'pairs' the lowest and highest ratio "
         "of single pairs (the noise)."
     )

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import lean_doubles as lean
 import zmq
 
 from zmq_rollout import codec
@@ -39,6 +40,12 @@ ACK = os.environ.get(ACK_ENV) == "1"
 sends them (``broker_throughput.py --ack`` turns it on; a broker older than the field ignores
 it and answers ACCEPTED anyway)."""
 
+
+DOUBLES_ENV = "ZR_BENCH_DOUBLES"
+LEAN = os.environ.get(DOUBLES_ENV, "lean") == "lean"
+"""``broker_throughput.py --doubles``: lean (the default), the clients and the fleet's worker
+doubles make their messages from byte templates (``lean_doubles.py``) and count answers from
+their headers; echo, they build and read every job and result through the codec."""
 
 PROMPT_TOKENS_ENV = "ZR_BENCH_PROMPT_TOKENS"
 PROMPT_TOKENS = int(os.environ.get(PROMPT_TOKENS_ENV) or 0)
@@ -526,9 +533,11 @@ def _serve_doubles(
         fd = int(sock.getsockopt(zmq.FD))
         by_fd[fd] = sock
         epoll.register(fd, select.EPOLLIN)
-    decoder, beats = codec.Decoder(codec.TO_WORKER), {f: codec.encode(p.HEARTBEAT, packed=f) for f in (False, True)}
+    decoder = codec.Decoder(codec.WORKER_FROM_BROKER)
+    beats = {f: codec.encode(p.HEARTBEAT, packed=f) for f in (False, True)}
     packed = dict.fromkeys(socks, False)  # per double: the broker's answer to READY said it reads packed
     sealed = dict.fromkeys(socks, False)  # ... and SEALED_FINAL
+    answers: dict[tuple[str, bool], lean.AnswerTemplate] = {}
     next_beat = time.monotonic() + heartbeat_s
     ready = list(socks)
     slot = FLEET_COUNTS * k
@@ -540,10 +549,17 @@ def _serve_doubles(
             name = socks[sock]
             while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
-                if msg.command == p.JOBS:
+                if msg.command == p.JOBS and LEAN:
+                    answer = answers.get((name, sealed[sock]))
+                    if answer is None:  # the benchmark's jobs are all alike: the first one's answer is each one's
+                        answer = answers[name, sealed[sock]] = _answer_template(msg.body[0], name, sealed[sock])
+                    sock.send_multipart(answer.frames([a.ticket for a in msg.body], packed[sock]))
+                    counts[slot] += len(msg.body)
+                    counts[slot + 1] += 1
+                elif msg.command == p.JOBS:
                     segments: list[list[Any]] = []  # coalesced as the worker's (FINAL, SEALED_FINAL)
-                    for a in msg.body:
-                        append(segments, *p.final_item(bench_result(a, name), sealed[sock]))
+                    for a in map(p.unseal, msg.body):
+                        append(segments, *p.final_item(bench_result(a, name), sealed[sock]))  # type: ignore[arg-type]
                     for command, items in segments:
                         sock.send_multipart(codec.encode(command, items, packed=packed[sock]))
                     counts[slot] += len(msg.body)
@@ -565,12 +581,20 @@ def _serve_doubles(
     epoll.close()
 
 
+def _answer_template(sealed_job: p.SealedAssignment, name: str, sealed: bool) -> lean.AnswerTemplate:
+    """What double ``name`` answers to every job like ``sealed_job`` (``bench_result``)."""
+    job = p.unseal(sealed_job)
+    if not isinstance(job, p.Assignment):
+        raise RuntimeError(f"a benchmark job the double cannot open: {job}")
+    return lean.AnswerTemplate(bench_result(job, name), sealed)
+
+
 @role
 def echo_double_fleet(
     report: Any, tag: str, address: str, num: int, credits: int, threads: int, heartbeat_s: float, counts: Any
 ) -> None:
     """``num`` echo worker doubles (TEST DOUBLES: every job answered at once with
-    ``zmq_rollout.testing.echo_result``, as ``EchoWorkerDouble`` answers it), each its own
+    ``bench_result``, from byte templates: ``lean_doubles.AnswerTemplate``), each its own
     DEALER with its own identity, served by ``threads`` threads of this process, each polling
     its share of the sockets: 1,024 doubles fit a few processes of a small machine (a thread
     per double would spend the cores on thread switches). Each announces ``credits`` in READY
@@ -581,12 +605,15 @@ def echo_double_fleet(
     time (``FLEET_COUNTS`` per thread). On SIGTERM: DISCONNECT from each, then ``done``: {"jobs", "purged"}."""
     ctx = _many_sockets(num)
     stop = _stop_event()
+    keys = curve_keys()
     socks: list[dict[zmq.Socket[Any], str]] = [{} for _ in range(max(1, min(threads, num)))]
     for i in range(num):
         name = f"{tag}-{i}"
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, name.encode())
+        if keys is not None:
+            keys.apply(sock)
         sock.connect(address)
         sock.send_multipart(codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
         socks[i % len(socks)][sock] = name
@@ -632,7 +659,7 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
     report.put(("ready", tag, None))
     go.wait()
     wins = {sock: _Window(clock) for sock in socks}
-    ids = iter(range(1 << 62))
+    submit, count = _submissions(tag, batch, decoder)
     poller = zmq.Poller()
     for sock in socks:
         poller.register(sock, zmq.POLLIN)
@@ -644,8 +671,7 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
         if now < t_end:
             for sock, win in wins.items():
                 while win.inflight + batch <= batch * window:
-                    jobs = [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)]
-                    sock.send_multipart(codec.encode(p.SUBMIT, jobs, packed=packed[sock]))
+                    sock.send_multipart(submit(packed[sock]))
                     win.inflight += batch
         ready = poller.poll(50)
         now = time.monotonic()
@@ -655,7 +681,7 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                wins[sock].complete(*_count_answer(decoder, frames), now)
+                wins[sock].complete(*count(frames), now)
     for sock in socks:
         sock.send_multipart(codec.encode(p.DISCONNECT, packed=packed[sock]))
         sock.close(linger=100)
@@ -685,6 +711,35 @@ class _Window:
             self.messages += jobs + errors > 0
 
 
+def _submissions(
+    tag: str, batch: int, decoder: codec.Decoder
+) -> tuple[Callable[[bool], list[bytes]], Callable[[list[bytes]], tuple[int, int]]]:
+    """A client's (SUBMIT of ``batch`` new jobs, in the form asked; what an answer finishes and
+    fails): from byte templates, answers counted from their array headers (``LEAN``), or jobs
+    built and answers decoded through the codec."""
+    ids = iter(range(1 << 62))
+    if LEAN:
+        template = lean.SubmitTemplate(bench_job("template"))
+        return (lambda packed: template.frames([f"{tag}-{next(ids):x}" for _ in range(batch)], packed)), (
+            lean.count_answer
+        )
+
+    def submit(packed: bool) -> list[bytes]:
+        return codec.encode(p.SUBMIT, [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)], packed=packed)
+
+    return submit, functools.partial(_count_answer, decoder)
+
+
+def _count_answer(decoder: codec.Decoder, frames: list[bytes]) -> tuple[int, int]:
+    """(jobs finished, jobs failed) in one broker message; ACCEPTED is skipped undecoded."""
+    command = _command(frames)
+    if command == p.FINAL:
+        return len(decoder.decode(frames).body), 0
+    if command in (p.ERROR, p.BUSY):
+        return 0, len(decoder.decode(frames).body)
+    return 0, 0
+
+
 def _command(frames: list[bytes]) -> bytes:
     """A message's command, of either form, unchecked (the broker's own messages)."""
     first = frames[0]
@@ -705,16 +760,6 @@ def _hello(sock: zmq.Socket[Any], decoder: codec.Decoder, tag: str) -> bool:
         if _command(frames) == p.HEARTBEAT:
             return _reads_packed(decoder, frames)
     raise RuntimeError(f"{tag}: no answer to HEARTBEAT within 30 s")
-
-
-def _count_answer(decoder: codec.Decoder, frames: list[bytes]) -> tuple[int, int]:
-    """(jobs finished, jobs failed) in one broker message; ACCEPTED is skipped undecoded."""
-    command = _command(frames)
-    if command == p.FINAL:
-        return len(decoder.decode(frames).body), 0
-    if command in (p.ERROR, p.BUSY):
-        return 0, len(decoder.decode(frames).body)
-    return 0, 0
 
 
 def _pump(
@@ -744,23 +789,24 @@ def _pump(
 
 @role
 def submit_client(report: Any, tag: str, address: str, batch: int, window: int, go: Any, clock: Any) -> None:
-    """A raw DEALER speaking the protocol through ``zmq_rollout.codec``: ``window`` SUBMIT
-    messages of ``batch`` jobs each in flight."""
+    """A raw DEALER speaking the protocol: ``window`` SUBMIT messages of ``batch`` jobs each in
+    flight (``_submissions``)."""
     sock = _socket(zmq.DEALER, address, identity=tag)
     decoder = codec.Decoder(codec.TO_CLIENT)
-    limit, ids = batch * window, iter(range(1 << 62))
+    limit = batch * window
     packed = _hello(sock, decoder, tag)
     report.put(("ready", tag, None))
     go.wait()
     win = _Window(clock)
 
+    submit, count = _submissions(tag, batch, decoder)
+
     def fill() -> None:
         while win.inflight + batch <= limit:
-            jobs = [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)]
-            sock.send_multipart(codec.encode(p.SUBMIT, jobs, packed=packed))
+            sock.send_multipart(submit(packed))
             win.inflight += batch
 
-    _pump(sock, win, win.t_end + DRAIN_SECONDS, fill, lambda frames: _count_answer(decoder, frames))
+    _pump(sock, win, win.t_end + DRAIN_SECONDS, fill, count)
     sock.send_multipart(codec.encode(p.DISCONNECT, packed=packed))
     sock.close(linger=100)
     report.put(("done", tag, {"jobs": win.done, "errors": win.errors}))
