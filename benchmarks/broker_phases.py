@@ -1,12 +1,13 @@
 """Where the broker's per-job CPU goes with 64 jobs a message, phase by phase, in one process.
 
     python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--prompt-tokens 0]
-        [--sample-tokens 4] [--finals final,sealed_final] [--heap-keep-mib 64]
+        [--token-bins] [--sample-tokens 4] [--finals final,sealed_final] [--heap-keep-mib 64]
 
 No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
 loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
 64 jobs (100-character prompts, as ``broker_throughput.py``'s clients send; or, with
-``--prompt-tokens N``, prompts of N token ids below 150,000, as an RL trainer sends) is decoded,
+``--prompt-tokens N``, prompts of N token ids below 150,000, as an RL trainer sends; as token
+bins with ``--token-bins``, as the client sends them to a broker that reads them) is decoded,
 submitted, dispatched and its JOBS encoded; then one FINAL per JOBS message (one 4-token
 sample per job, as the echo doubles answer; or, with ``--sample-tokens N``, an N-token sample
 with its logprobs and the prompt's ids, as a worker answers an RL job) is decoded, handed to
@@ -26,11 +27,14 @@ import gc
 import random
 import time
 
+import msgspec
+
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.broker.heap_keep import DEFAULT_KEEP_MIB, keep_freed_memory
 from zmq_rollout.broker.scheduler import Scheduler
 from zmq_rollout.config import BrokerConfig
+from zmq_rollout.submissions import encode_job
 
 BATCH = 64
 GOAL_US_PER_JOB = 3.0
@@ -38,12 +42,18 @@ PHASES = ("decode SUBMIT", "submit", "dispatch", "encode JOBS", "decode FINAL", 
 
 
 def run(
-    rounds: int, workers: int, pack_step: int, prompt_tokens: int = 0, sample_tokens: int = 4, final: bytes = p.FINAL
+    rounds: int,
+    workers: int,
+    pack_step: int,
+    prompt_tokens: int = 0,
+    sample_tokens: int = 4,
+    final: bytes = p.FINAL,
+    token_bins: bool = False,
 ) -> dict[str, float]:
     s = Scheduler(BrokerConfig())
     s.defer_dispatch = True
     for w in range(workers):
-        s.worker_ready(f"w{w}".encode(), p.WorkerInfo(f"w{w}", "model", BATCH), 0.0)
+        s.worker_ready(f"w{w}".encode(), p.WorkerInfo(f"w{w}", "model", BATCH, 0, [p.TOKEN_BINS]), 0.0)
     s.set_dispatch_step(pack_step)
     s.flush_dispatch(0.0)
     s.outbox.take()
@@ -69,7 +79,8 @@ def run(
             specs = [p.JobSpec(i, sampling, prompt_token_ids=prompt_ids(), ack=False) for i in ids]
         else:
             specs = [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids]
-        submit = codec.encode(p.SUBMIT, specs, packed=True)
+        prompts = {spec.job_id: spec.prompt_token_ids or [1, 2, 3, 4] for spec in specs}
+        submit = codec.encode(p.SUBMIT, [msgspec.Raw(encode_job(spec, token_bins)) for spec in specs], packed=True)
         t0 = clock()
         message = from_client.decode(submit)
         t1 = clock()
@@ -88,7 +99,7 @@ def run(
         for _, worker, command, body in out:
             if command != p.JOBS:
                 continue
-            results = [p.Result(a.ticket, a.job.prompt_token_ids or [1, 2, 3, 4], [sample], 0, "w") for a in body]
+            results = [p.Result(a.ticket, prompts[a.job.job_id], [sample], 0, "w") for a in body]  # type: ignore[arg-type]
             if final == p.SEALED_FINAL:
                 results = [p.seal(r) for r in results]  # type: ignore[misc]
             answer = codec.encode(final, results, packed=True)
@@ -120,6 +131,7 @@ def main() -> None:
     ap.add_argument("--pack-step", type=int, default=1, help="the dispatch step (1: least loaded first)")
     ap.add_argument("--samples", type=int, default=3, help="runs; the one with the lowest total is printed")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts of this many token ids (0: 100 characters)")
+    ap.add_argument("--token-bins", action="store_true", help="the prompts' token ids as token bins (protocol 5.8)")
     ap.add_argument("--sample-tokens", type=int, default=4, help="tokens of each job's one sample (default 4)")
     ap.add_argument(
         "--finals", default="final,sealed_final", help="the forms results come in, each measured (default both)"
@@ -138,12 +150,22 @@ def main() -> None:
     if unknown:
         ap.error(f"--finals: unknown {sorted(unknown)}; choose from {sorted(FORMS)}")
     prompts = f"{args.prompt_tokens} token ids" if args.prompt_tokens else "100 characters"
+    if args.prompt_tokens and args.token_bins:
+        prompts += " in token bins"
     print(f"{args.rounds} SUBMITs of {BATCH} jobs ({prompts} a prompt, {args.sample_tokens}-token samples), "
           f"{args.workers} worker(s), pack step {args.pack_step}, heap_keep_mib {args.heap_keep_mib}")  # fmt: skip
     totals: dict[str, float] = {}
     for form in forms:
         runs = [
-            run(args.rounds, args.workers, args.pack_step, args.prompt_tokens, args.sample_tokens, FORMS[form])
+            run(
+                args.rounds,
+                args.workers,
+                args.pack_step,
+                args.prompt_tokens,
+                args.sample_tokens,
+                FORMS[form],
+                args.token_bins,
+            )
             for _ in range(args.samples)
         ]
         best = min(runs, key=lambda r: sum(r.values()))

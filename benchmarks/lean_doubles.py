@@ -21,6 +21,7 @@ import msgspec
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.submissions import encode_job
 
 _encode = msgspec.msgpack.Encoder().encode
 _MARK = "\x00job-id\x00"
@@ -48,11 +49,12 @@ def array_length(body: Any) -> int:
 
 
 class SubmitTemplate:
-    """SUBMIT messages of copies of ``job``, each under its own id."""
+    """SUBMIT messages of copies of ``job``, each under its own id; its token ids as a token bin
+    with ``token_bins`` (``zmq_rollout.submissions.encode_job``)."""
 
-    def __init__(self, job: p.JobSpec) -> None:
+    def __init__(self, job: p.JobSpec, token_bins: bool = False) -> None:
         marked = msgspec.structs.replace(job, job_id=_MARK)
-        head, *rest = _encode(marked).split(_encode(_MARK))
+        head, *rest = encode_job(marked, token_bins).split(_encode(_MARK))
         if len(rest) != 1:
             raise ValueError("the job's bytes hold its id's marker more than once")
         self._head, self._tail = head, rest[0]

@@ -25,11 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 import lean_doubles as lean
+import msgspec
 import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.batching import append
+from zmq_rollout.submissions import encode_job
 from zmq_rollout.testing import echo_result
 
 PROMPT = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(100)
@@ -571,7 +573,7 @@ def _serve_doubles(
                 elif msg.command == p.DISCONNECT:  # the broker purged this double: taken for dead
                     counts[slot + 2] += 1
                     packed[sock] = sealed[sock] = False
-                    _send_now(sock, codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
+                    _send_now(sock, _ready(name, credits))
         ready = []
         if time.monotonic() >= next_beat:
             for sock in socks:
@@ -579,6 +581,11 @@ def _serve_doubles(
             next_beat = time.monotonic() + heartbeat_s
             ready = list(socks)
     epoll.close()
+
+
+def _ready(name: str, credits: int) -> list[bytes]:
+    """A fleet double's READY: it reads token bins (``p.unseal`` opens them) as the worker does."""
+    return codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo", p.TOKEN_BINS]))
 
 
 def _answer_template(sealed_job: p.SealedAssignment, name: str, sealed: bool) -> lean.AnswerTemplate:
@@ -615,7 +622,7 @@ def echo_double_fleet(
         if keys is not None:
             keys.apply(sock)
         sock.connect(address)
-        sock.send_multipart(codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo"])))
+        sock.send_multipart(_ready(name, credits))
         socks[i % len(socks)][sock] = name
     pool = [
         threading.Thread(target=_serve_doubles, args=(share, credits, heartbeat_s, stop, counts, k), daemon=True)
@@ -651,15 +658,16 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
         sock.connect(address)
         sock.send_multipart(codec.encode(p.HEARTBEAT))
         socks.append(sock)
-    packed = {}
+    packed, bins = {}, True
     for sock in socks:
         if not sock.poll(30_000):
             raise RuntimeError(f"{tag}: the broker did not answer a client's HEARTBEAT within 30 s")
-        packed[sock] = _reads_packed(decoder, sock.recv_multipart())
+        packed[sock], reads_bins = _reads(decoder, sock.recv_multipart())
+        bins = bins and reads_bins
     report.put(("ready", tag, None))
     go.wait()
     wins = {sock: _Window(clock) for sock in socks}
-    submit, count = _submissions(tag, batch, decoder)
+    submit, count = _submissions(tag, batch, decoder, bins)
     poller = zmq.Poller()
     for sock in socks:
         poller.register(sock, zmq.POLLIN)
@@ -712,20 +720,22 @@ class _Window:
 
 
 def _submissions(
-    tag: str, batch: int, decoder: codec.Decoder
+    tag: str, batch: int, decoder: codec.Decoder, token_bins: bool
 ) -> tuple[Callable[[bool], list[bytes]], Callable[[list[bytes]], tuple[int, int]]]:
     """A client's (SUBMIT of ``batch`` new jobs, in the form asked; what an answer finishes and
     fails): from byte templates, answers counted from their array headers (``LEAN``), or jobs
-    built and answers decoded through the codec."""
+    built and answers decoded through the codec. Token ids go as token bins where the broker
+    said it reads them (``token_bins``), as the reference client sends them."""
     ids = iter(range(1 << 62))
     if LEAN:
-        template = lean.SubmitTemplate(bench_job("template"))
+        template = lean.SubmitTemplate(bench_job("template"), token_bins)
         return (lambda packed: template.frames([f"{tag}-{next(ids):x}" for _ in range(batch)], packed)), (
             lean.count_answer
         )
 
     def submit(packed: bool) -> list[bytes]:
-        return codec.encode(p.SUBMIT, [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)], packed=packed)
+        jobs = [msgspec.Raw(encode_job(bench_job(f"{tag}-{next(ids):x}"), token_bins)) for _ in range(batch)]
+        return codec.encode(p.SUBMIT, jobs, packed=packed)
 
     return submit, functools.partial(_count_answer, decoder)
 
@@ -746,19 +756,22 @@ def _command(frames: list[bytes]) -> bytes:
     return first[3:4] if len(first) > 3 else frames[1]
 
 
-def _reads_packed(decoder: codec.Decoder, frames: list[bytes]) -> bool:
-    """Whether the broker's answer to a HEARTBEAT says it reads the packed form."""
+def _reads(decoder: codec.Decoder, frames: list[bytes]) -> tuple[bool, bool]:
+    """Whether the broker's answer to a HEARTBEAT says it reads the packed form, and token bins."""
     msg = decoder.decode(frames)
-    return msg.command == p.HEARTBEAT and msg.body is not None and msg.body.packed
+    if msg.command != p.HEARTBEAT or msg.body is None:
+        return False, False
+    return msg.body.packed, msg.body.token_bins
 
 
-def _hello(sock: zmq.Socket[Any], decoder: codec.Decoder, tag: str) -> bool:
-    """HEARTBEAT, as the reference client opens: whether the broker reads the packed form."""
+def _hello(sock: zmq.Socket[Any], decoder: codec.Decoder, tag: str) -> tuple[bool, bool]:
+    """HEARTBEAT, as the reference client opens: whether the broker reads the packed form, and
+    token bins."""
     sock.send_multipart(codec.encode(p.HEARTBEAT))
     while sock.poll(30_000):
         frames = sock.recv_multipart()
         if _command(frames) == p.HEARTBEAT:
-            return _reads_packed(decoder, frames)
+            return _reads(decoder, frames)
     raise RuntimeError(f"{tag}: no answer to HEARTBEAT within 30 s")
 
 
@@ -794,12 +807,12 @@ def submit_client(report: Any, tag: str, address: str, batch: int, window: int, 
     sock = _socket(zmq.DEALER, address, identity=tag)
     decoder = codec.Decoder(codec.TO_CLIENT)
     limit = batch * window
-    packed = _hello(sock, decoder, tag)
+    packed, bins = _hello(sock, decoder, tag)
     report.put(("ready", tag, None))
     go.wait()
     win = _Window(clock)
 
-    submit, count = _submissions(tag, batch, decoder)
+    submit, count = _submissions(tag, batch, decoder, bins)
 
     def fill() -> None:
         while win.inflight + batch <= limit:
@@ -868,7 +881,7 @@ def latency_client(report: Any, tag: str, address: str, kind: str, count: int, w
     """One job in flight at a time; reports every round trip in ns. ``kind``: ``submit``
     (a one-job SUBMIT, waits for its FINAL) or ``raw`` (100 bytes, waits for the echo)."""
     sock = _socket(zmq.DEALER, address, identity=tag)
-    packed = kind != "raw" and _hello(sock, codec.Decoder(codec.TO_CLIENT), tag)
+    packed = kind != "raw" and _hello(sock, codec.Decoder(codec.TO_CLIENT), tag)[0]
     report.put(("ready", tag, None))
     go.wait()
     samples = []

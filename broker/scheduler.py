@@ -215,6 +215,7 @@ class Scheduler:
                 self.stats.worker_renamed(worker.info.name, info.name, now)
             worker.info, worker.credits, worker.weight_version = info, info.credits, info.weight_version
         worker.last_seen = now
+        worker.reads_token_bins = p.TOKEN_BINS in info.capabilities
         self.dispatch_soon(now)
 
     def worker_seen(self, identity: WorkerId, now: float) -> WorkerState | None:

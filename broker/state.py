@@ -67,6 +67,9 @@ class WorkerState:
     jobs_sent_at: float = -math.inf
     """When a dispatch pass last sent it jobs: any message tells it the broker lives, so the
     next ``tick`` within a heartbeat interval of that sends it no HEARTBEAT."""
+    reads_token_bins: bool = False
+    """Its READY lists ``p.TOKEN_BINS``: its jobs may carry token ids as a token bin; else the
+    socket loop sends them as arrays (``server._as_arrays``)."""
 
     @property
     def credits_free(self) -> int:

@@ -92,7 +92,8 @@ class Worker:
 
     def capabilities(self) -> list[str]:
         """What READY tells the broker (and ``status()`` the trainer) this worker can do."""
-        can = ["generate", "stream", "chat", "text", "weight_sync:shm", "weight_sync:gloo", "weight_sync:nccl"]
+        can = ["generate", "stream", "chat", "text", p.TOKEN_BINS]
+        can += ["weight_sync:shm", "weight_sync:gloo", "weight_sync:nccl"]
         if self.config.enable_lora:
             can.append("lora")
         return can

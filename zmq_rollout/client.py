@@ -140,7 +140,10 @@ class AsyncRolloutClient(WeightSyncMethods):
         for job in jobs:
             if job.job_id in self._pending:
                 raise InvalidRequestError(f"job id {job.job_id!r} is already in flight", job_id=job.job_id)
-        messages = pack_submits(jobs, self.config.batch_size, self.config.max_message_bytes)  # may refuse one
+        # may refuse one
+        messages = pack_submits(
+            jobs, self.config.batch_size, self.config.max_message_bytes, token_bins=self._conn.token_bins
+        )
         for job in jobs:
             handle = _Pending(job, loop.create_future(), asyncio.Queue() if stream else None)
             self._pending[job.job_id] = handle
@@ -429,7 +432,10 @@ class AsyncRolloutClient(WeightSyncMethods):
             if handle.stream is not None:
                 handle.streamed = False
                 handle.stream.put_nowait(StreamRestarted(job.job_id))
-        for ids, encoded in pack_submits(jobs, self.config.batch_size, self.config.max_message_bytes):
+        config = self.config
+        for ids, encoded in pack_submits(
+            jobs, config.batch_size, config.max_message_bytes, token_bins=self._conn.token_bins
+        ):
             await self._conn.send(p.SUBMIT, encoded)
             self._unanswered.sent(ids)
 

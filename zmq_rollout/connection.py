@@ -112,6 +112,9 @@ class Connection:
         self._decoder = codec.Decoder(codec.TO_CLIENT)
         self.packed = False
         """Whether to send the packed form: the broker's last HEARTBEAT reply said it reads it."""
+        self.token_bins = False
+        """Whether jobs may carry their token ids as a token bin: the broker's last HEARTBEAT reply
+        said it reads them (``Liveness.token_bins``)."""
 
     def open(self) -> None:
         """Create the socket and start the loops (once; never after ``close``)."""
@@ -233,6 +236,7 @@ class Connection:
                 continue  # a broker of another version; nothing to attribute it to
             if msg.command == p.HEARTBEAT:
                 self.packed = msg.body is not None and msg.body.packed
+                self.token_bins = msg.body is not None and msg.body.token_bins
                 if self.watch.liveness(msg.body):
                     await self._on.restarted()
             self._on.message(msg.command, msg.body)

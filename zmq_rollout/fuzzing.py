@@ -48,6 +48,7 @@ import msgspec.inspect as mi
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.submissions import encode_job
 
 PORTS = {"frontend": "from_client", "backend": "from_worker", "worker": "to_worker"}
 TABLES = {
@@ -224,6 +225,7 @@ def templates(table: str) -> list[tuple[bytes, Any]]:
         return [
             (p.SUBMIT, js[:1]),
             (p.SUBMIT, js[1:]),
+            (p.SUBMIT, [msgspec.Raw(encode_job(js[1], token_bins=True))]),  # its ids as a token bin
             (p.CANCEL, ["fuzz-a", "fuzz-b"]),
             (p.STATUS, None),
             (p.HEARTBEAT, None),

@@ -11,6 +11,7 @@ futures of jobs a caller gave up on as seen (their later cancellation is expecte
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -24,16 +25,30 @@ _encoder = msgspec.msgpack.Encoder()
 FRAME_OVERHEAD = 64  # signature, command, the list's header: what a SUBMIT adds to its jobs
 
 
-def pack_submits(jobs: list[p.JobSpec], batch_size: int, max_bytes: int) -> list[tuple[list[str], list[msgspec.Raw]]]:
-    """The jobs, encoded, in messages of at most ``batch_size`` jobs and ``max_bytes`` bytes:
-    ``(job ids, encoded jobs)`` per message."""
+def encode_job(job: p.JobSpec, token_bins: bool) -> bytes:
+    """``job`` as a SUBMIT carries it: with ``token_bins`` (the broker reads them), its prompt's
+    token ids as a token bin (``p.to_bin``; an id that does not fit one keeps the array)."""
+    ids = job.prompt_token_ids
+    if token_bins and ids is not None:
+        data = p.to_bin(ids)  # type: ignore[arg-type]  # a JobSpec holds a list (its bytes are opened)
+        if data is not None:
+            job = copy.copy(job)  # not checked again: only the ids' form changes
+            job.prompt_token_ids = data
+    return _encoder.encode(job)
+
+
+def pack_submits(
+    jobs: list[p.JobSpec], batch_size: int, max_bytes: int, *, token_bins: bool = False
+) -> list[tuple[list[str], list[msgspec.Raw]]]:
+    """The jobs, encoded (``encode_job``), in messages of at most ``batch_size`` jobs and
+    ``max_bytes`` bytes: ``(job ids, encoded jobs)`` per message."""
     messages: list[tuple[list[str], list[msgspec.Raw]]] = []
     current: list[msgspec.Raw] = []
     ids: list[str] = []
     size = FRAME_OVERHEAD
     limit = min(batch_size, p.MAX_JOBS_PER_MESSAGE)
     for job in jobs:
-        raw = _encoder.encode(job)
+        raw = encode_job(job, token_bins)
         if len(raw) + FRAME_OVERHEAD > max_bytes:
             raise InvalidRequestError(
                 f"job {job.job_id!r} is {len(raw)} bytes encoded, more than a message may carry "

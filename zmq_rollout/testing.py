@@ -27,7 +27,8 @@ from zmq_rollout.curve import PeerKeys
 def echo_result(assignment: p.Assignment, name: str, weight_version: int) -> p.Result:
     """A fake completion: the prompt's token ids (or its length) echoed back."""
     job = assignment.job
-    prompt_ids = job.prompt_token_ids or [len(job.prompt or "")]
+    ids = job.prompt_token_ids  # a list: a token bin is opened on decode
+    prompt_ids = ids if isinstance(ids, list) and ids else [len(job.prompt or "")]
     samples = [
         p.Sample(i, list(prompt_ids[:4]), [0.0] * min(4, len(prompt_ids)), "length") for i in range(job.sampling.n)
     ]
@@ -131,7 +132,7 @@ class EchoWorkerDouble:
             self.curve.apply(sock)
         sock.connect(self.address)
         self._packed = self._sealed = False  # until this connection's broker says it reads them
-        info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, ["echo"])
+        info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, ["echo", p.TOKEN_BINS])
         sock.send_multipart(codec.encode(p.READY, info))
         return sock
 

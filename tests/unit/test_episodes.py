@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from zmq_rollout import AsyncRolloutClient, SamplingParams
+from zmq_rollout import protocol as p
 from zmq_rollout.chat_tokens import ChatTokens
 from zmq_rollout.environments import Action, Environment, Observation, StepResult
 from zmq_rollout.episodes import Trajectory, run_episodes
@@ -197,6 +198,6 @@ def test_blocking_client_runs_episodes_and_status_says_what_runs_where(start_bro
     with RolloutClient(broker.frontend, timeout_s=60) as client:
         status = client.status()
         assert {"calculator", "scripted", "gymnasium"} <= set(status.environments)
-        assert [w.capabilities for w in status.workers] == [["echo"]]  # as the double's READY said
+        assert [w.capabilities for w in status.workers] == [["echo", p.TOKEN_BINS]]  # as the double's READY said
         got = client.run_episodes("scripted", ["x"], SamplingParams(max_tokens=4), tokenizer=TOKENIZER)
     assert (got[0].finish_reason, got[0].num_turns) == ("done", 3)

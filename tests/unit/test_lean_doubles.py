@@ -18,6 +18,7 @@ import roles
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.batching import append
+from zmq_rollout.submissions import encode_job
 
 SIZES = [0, 1, 15, 16, 64, 65_535, 65_536]
 
@@ -52,6 +53,19 @@ def test_a_submit_template_makes_the_codecs_bytes(job: p.JobSpec, packed: bool) 
     assert made == expected
     decoded = codec.Decoder(codec.FROM_CLIENT).decode(made).body
     assert [j.job_id for j in decoded] == ids
+
+
+def test_a_submit_template_sends_token_bins_where_the_broker_reads_them() -> None:
+    job = JOBS[1]
+    ids = [f"client-{i:x}" for i in range(3)]
+    made = lean.SubmitTemplate(job, token_bins=True).frames(ids, packed=True)
+    jobs = [msgspec.Raw(encode_job(msgspec.structs.replace(job, job_id=i), True)) for i in ids]
+    assert made == codec.encode(p.SUBMIT, jobs, packed=True)
+    relays = codec.Decoder(codec.BROKER_FROM_CLIENT).decode(made).body
+    assert [bytes(r.prompt_token_ids)[:1] for r in relays] == [b"\xc5"] * 3  # bin 16: 4 x 512 bytes
+    assert lean.SubmitTemplate(JOBS[0], token_bins=True).frames(ids, True) == lean.SubmitTemplate(JOBS[0]).frames(
+        ids, True
+    )  # no token ids: nothing changes
 
 
 def _worker_answers(result: p.Result, tickets: list[int], sealed: bool) -> list[list[bytes]]:

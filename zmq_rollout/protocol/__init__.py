@@ -99,13 +99,14 @@ from .steps import (
     TensorMeta,
 )
 from .sync import Control, ControlAck, Evicted, SyncReply, SyncStep, WorkerAck
+from .token_bins import TOKEN_BINS, as_array, from_bin, to_bin
 
 __all__ = [
     "ACCEPTED", "BACKENDS", "BUSY", "CANCEL", "COMMAND_NAMES", "CONTROL", "CONTROL_ACK", "CREDIT",
     "DISCONNECT", "DTYPE_SIZES", "ERROR", "FINAL", "HEARTBEAT", "JOBS", "MAX_JOBS_PER_MESSAGE", "MAX_JOB_ID",
     "MAX_LORA_NAME", "MAX_MESSAGES", "MAX_N", "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "MAX_STOP", "MAX_TOKENS",
     "MAX_TOP_LOGPROBS", "MAX_VERSION", "PARTIAL", "PAUSE_MODES", "READY", "SEALED_FINAL", "SEAL_MIN_TOKENS",
-    "SIGNATURE", "STATUS", "STATUS_REPLY", "SUBMIT", "SYNC", "SYNC_OPS", "SYNC_REPLY", "UNKNOWN_LAYOUT",
+    "SIGNATURE", "STATUS", "STATUS_REPLY", "SUBMIT", "SYNC", "SYNC_OPS", "SYNC_REPLY", "TOKEN_BINS", "UNKNOWN_LAYOUT",
     "Abort", "AckResult", "AnySyncOp", "Assignment", "AssignmentRelay", "Begin", "BeginUpdate", "Bucket",
     "ChatMessage", "CheckNames", "ClientStatus", "Commit", "Control", "ControlAck", "CudaIpcHandle", "Delta",
     "DeltaRelay", "ErrorItem", "Evicted", "FinishUpdate", "IpcSource", "JobRelay", "JobSpec", "JobTotals", "JoinGroup",
@@ -113,5 +114,6 @@ __all__ = [
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
     "SamplingParams", "SealedAssignment", "SealedResult", "StatusReply", "Struct", "StructuredOutput", "SyncOp",
     "SyncReply", "SyncStep", "TensorMeta",
-    "WorkerAck", "WorkerInfo", "WorkerStatus", "final_item", "seal", "unseal", "worth_sealing",
+    "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "final_item", "from_bin", "seal", "to_bin", "unseal",
+    "worth_sealing",
 ]  # fmt: skip

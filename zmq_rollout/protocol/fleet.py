@@ -41,6 +41,9 @@ class Liveness(Struct):
     sealed: bool = False
     """The broker reads SEALED_FINAL (results sealed in a bin, docs/protocol.md section 5.3); a
     broker older than this field leaves it out, and its workers send FINAL."""
+    token_bins: bool = False
+    """The broker reads a job's ``prompt_token_ids`` as a token bin (docs/protocol.md section 5.8,
+    ``token_bins.py``); a broker older than this field leaves it out, and its clients send arrays."""
 
 
 class WorkerStatus(Struct):

@@ -30,6 +30,7 @@ from .base import (
     check_finite,
     check_int,
 )
+from .token_bins import bin_length, from_bin, is_bin
 
 MAX_SESSION_ID = MAX_JOB_ID
 MAX_STOP_TOKEN_IDS = 64
@@ -167,7 +168,10 @@ class JobSpec(Struct):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | bytes | None = None
+    """The prompt as token ids. On the wire, a msgpack array, or a token bin (``token_bins.py``:
+    4-byte little-endian ids, between peers that read it); a bin given or decoded here is opened
+    into the list at once."""
     stream: bool = False
     min_weight_version: int = 0
     lora: str | None = None
@@ -231,9 +235,10 @@ NIL = msgspec.Raw(b"\xc0")
 """msgpack's nil, raw: a ``JobRelay`` input that is absent."""
 
 
-def check_raw_list(name: str, raw: msgspec.Raw, limit: int) -> None:
+def check_raw_list(name: str, raw: msgspec.Raw, limit: int, *, token_bin: bool = False) -> None:
     """``raw`` (one msgpack item, as msgspec cut it out) is an array of 1..``limit`` items, read
-    from its header alone: what the items are is the worker's to check. Raises ValueError."""
+    from its header alone: what the items are is the worker's to check; with ``token_bin``, a
+    token bin (``token_bins.py``) of 1..``limit`` ids may stand for the array. Raises ValueError."""
     view = memoryview(raw)
     head = view[0]
     if 0x90 <= head <= 0x9F:  # fixarray of 0..15
@@ -242,6 +247,11 @@ def check_raw_list(name: str, raw: msgspec.Raw, limit: int) -> None:
         count = view[1] << 8 | view[2]
     elif head == 0xDD:  # array 32
         count = int.from_bytes(view[1:5], "big")
+    elif token_bin and is_bin(raw):
+        size = bin_length(raw)
+        if size % 4:
+            raise ValueError(f"{name} as bytes must be 4 bytes an id (little-endian), not {size} bytes")
+        count = size >> 2
     else:
         raise ValueError(f"{name} must be a list")
     if not 0 < count <= limit:
@@ -275,7 +285,8 @@ class JobRelay(Struct):
     messages: msgspec.Raw = NIL
     """Raw: the worker decodes and checks the messages; here only that they are a list of 1..MAX_MESSAGES."""
     prompt_token_ids: msgspec.Raw = NIL
-    """Raw: the worker checks each id; here only that they are a list of 1..MAX_PROMPT_TOKENS."""
+    """Raw: the worker checks each id; here only that they are a list, or a token bin, of
+    1..MAX_PROMPT_TOKENS (a bin costs no walk: ``token_bins.py``)."""
     stream: bool = False
     min_weight_version: _Version = 0
     lora: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_NAME)] | None = None
@@ -292,7 +303,7 @@ class JobRelay(Struct):
             if self.messages == NIL:
                 if self.prompt_token_ids == NIL:
                     raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
-                check_raw_list("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS)
+                check_raw_list("prompt_token_ids", self.prompt_token_ids, MAX_PROMPT_TOKENS, token_bin=True)
             elif self.prompt_token_ids == NIL:
                 check_raw_list("messages", self.messages, MAX_MESSAGES)
             else:
@@ -316,6 +327,8 @@ def _check_job(job: JobSpec) -> None:
     if not (isinstance(job.job_id, str) and 0 < len(job.job_id) <= MAX_JOB_ID):
         raise ValueError(f"job_id must be a string of 1..{MAX_JOB_ID} characters")
     prompt, messages, ids = job.prompt, job.messages, job.prompt_token_ids
+    if type(ids) is bytes:  # a token bin: the ids as a list from here on
+        job.prompt_token_ids = ids = from_bin(ids)
     if (prompt is not None) + (messages is not None) + (ids is not None) != 1:
         raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
     if prompt is not None and not 0 < len(prompt) <= MAX_PROMPT_CHARS:
