@@ -30,7 +30,7 @@ from .base import (
     check_finite,
     check_int,
 )
-from .token_bins import bin_length, from_bin, is_bin
+from .token_bins import from_bin
 
 MAX_SESSION_ID = MAX_JOB_ID
 MAX_STOP_TOKEN_IDS = 64
@@ -247,8 +247,8 @@ def check_raw_list(name: str, raw: msgspec.Raw, limit: int, *, token_bin: bool =
         count = view[1] << 8 | view[2]
     elif head == 0xDD:  # array 32
         count = int.from_bytes(view[1:5], "big")
-    elif token_bin and is_bin(raw):
-        size = bin_length(raw)
+    elif token_bin and 0xC4 <= head <= 0xC6:  # a token bin: bin 8, 16 or 32 (``bin_length``, inline)
+        size = view[1] if head == 0xC4 else view[1] << 8 | view[2] if head == 0xC5 else int.from_bytes(view[1:5], "big")
         if size % 4:
             raise ValueError(f"{name} as bytes must be 4 bytes an id (little-endian), not {size} bytes")
         count = size >> 2
