@@ -201,3 +201,38 @@ def test_the_client_sends_bins_to_a_broker_that_reads_them_and_gets_its_ids_back
     thread.join(10)
     assert seen == [p.to_bin(ids) for ids in prompts]  # bins on the wire
     assert [r.prompt_token_ids for r in out] == prompts
+
+
+def test_the_reference_client_sends_bins_only_while_the_broker_says_it_reads_them(raw_socket: Any) -> None:
+    """Arrays to a broker that has not said ``token_bins`` (older ones never do), bins once a
+    HEARTBEAT reply says it, arrays again after a reply without it (a restart onto an older one)."""
+    from zmq_rollout import RolloutClient
+
+    broker = raw_socket(zmq.ROUTER)
+    port = broker.bind_to_random_port("tcp://127.0.0.1")
+    client = RolloutClient(f"tcp://127.0.0.1:{port}", name="bins", heartbeat_interval_s=0.05)
+
+    def next_message(command: bytes) -> tuple[bytes, Any]:
+        while broker.poll(5000):
+            identity, *frames = broker.recv_multipart()
+            parts = codec.parts(frames)
+            if parts.command == command:
+                return identity, msgpack.unpackb(bytes(parts.header))
+        pytest.fail(f"no {p.COMMAND_NAMES[command]} from the client within 5 s")
+
+    def ids_form_after(identity: bytes, reply: Any, prompt: list[int]) -> type:
+        """Answer a heartbeat with ``reply``; the form of ``prompt``'s ids in the next SUBMIT."""
+        broker.send_multipart([identity, *codec.encode(p.HEARTBEAT, reply)])
+        next_message(p.HEARTBEAT)  # may have left before the reply arrived
+        next_message(p.HEARTBEAT)  # left after it: the reply was read
+        client.submit(prompt, SamplingParams(max_tokens=2))
+        _, jobs = next_message(p.SUBMIT)
+        return type(jobs[0][4])
+
+    try:
+        identity, _ = next_message(p.HEARTBEAT)
+        assert ids_form_after(identity, p.Liveness("old", packed=True), [1, 2, 3]) is list
+        assert ids_form_after(identity, p.Liveness("old", packed=True, token_bins=True), [4, 5]) is bytes
+        assert ids_form_after(identity, p.Liveness("new", packed=True), [6]) is list  # an older broker again
+    finally:
+        client.close()
