@@ -218,14 +218,15 @@ class AsyncRolloutClient(WeightSyncMethods):
         jobs = [
             make_job(
                 self._new_id(),
-                i,
+                item,
                 sampling,
                 min_weight_version=min_weight_version,
                 lora=lora,
                 max_staleness=max_staleness,
                 on_stale=on_stale,
+                sampling_checked=k > 0,  # checked with the first job
             )
-            for i in items
+            for k, item in enumerate(items)
         ]
         handles = await self.submit_jobs(jobs)
         results = await self._wait([h.future for h in handles], jobs, timeout_s)

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+import msgspec
+
 from zmq_rollout import protocol as p
 from zmq_rollout.errors import InvalidRequestError
 
@@ -56,15 +58,19 @@ def make_job(
     lora: str | None = None,
     max_staleness: int | None = None,
     on_stale: str = "abort",
+    sampling_checked: bool = False,
 ) -> p.JobSpec:
-    """Build and validate a job from a prompt string, chat messages or token ids."""
+    """Build and validate a job from a prompt string, chat messages or token ids.
+    ``sampling_checked``: ``sampling`` was validated since it last changed (by the call that
+    made the first of a batch's jobs): not again (about 1 us a job)."""
     kwargs: dict[str, Any] = {}
+    ids: list[int] | None
     if isinstance(prompt, str):
         kwargs["prompt"] = prompt
     elif isinstance(prompt, (bytes, bytearray)):
         raise InvalidRequestError("a prompt is a str, not bytes: decode it first", job_id=job_id)
-    elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
-        kwargs["prompt_token_ids"] = list(prompt)
+    elif isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], int) and (ids := _ints(prompt)) is not None:
+        kwargs["prompt_token_ids"] = ids
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, (dict, p.ChatMessage)) for m in prompt):
         try:
             kwargs["messages"] = [m if isinstance(m, p.ChatMessage) else p.ChatMessage(**m) for m in prompt]  # type: ignore[arg-type]
@@ -76,7 +82,8 @@ def make_job(
             f"got {type(prompt).__name__}"
         )
     try:
-        sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
+        if not sampling_checked:
+            sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction
         return p.JobSpec(
             job_id,
             sampling,
@@ -90,6 +97,19 @@ def make_job(
         )
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(str(exc), job_id=job_id) from None
+
+
+def _ints(prompt: Sequence[Any]) -> list[int] | None:
+    """``prompt`` as a new list if every item is an int (not a bool, not beyond 64 bits), else
+    None: checked and copied in C (``msgspec.convert``, 2 us for 512 ids, where a generator
+    over ``isinstance`` and a copy took 13)."""
+    try:
+        return msgspec.convert(prompt, list[int])
+    except msgspec.ValidationError:
+        if isinstance(prompt, (list, tuple)):
+            return None
+    items = list(prompt)  # another Sequence (a range, say): item by item
+    return items if all(type(t) is int for t in items) else None
 
 
 def to_rollouts(result: p.Result, prompt_index: int = 0) -> list[Rollout]:

@@ -51,6 +51,8 @@ def free_tcp_address() -> str:
         pytest.param("2+2=", "prompt", "2+2=", id="string"),
         pytest.param([1, 2, 3], "prompt_token_ids", [1, 2, 3], id="token-ids"),
         pytest.param((4, 5), "prompt_token_ids", [4, 5], id="token-id-tuple"),
+        pytest.param(range(6, 9), "prompt_token_ids", [6, 7, 8], id="token-id-range"),
+        pytest.param([2**63 - 1], "prompt_token_ids", [2**63 - 1], id="token-id-64-bit"),
         pytest.param(
             [{"role": "user", "content": "hi"}],
             "messages",
@@ -88,6 +90,9 @@ def test_make_job_input_forms(prompt: Any, field: str, expected: Any) -> None:
         pytest.param(None, "got NoneType", id="none"),
         pytest.param([1, "a"], "a prompt is a string", id="mixed-list"),
         pytest.param([1.5], "a prompt is a string", id="float-ids"),
+        pytest.param([1, 2.0], "a prompt is a string", id="a-float-among-ids"),
+        pytest.param([1, True], "a prompt is a string", id="a-bool-among-ids"),
+        pytest.param(range(3, -2, -1), "non-negative", id="negative-id-in-a-range"),
         pytest.param("", "prompt must be", id="empty-string"),
         pytest.param([3, -1], "non-negative", id="negative-id"),
         pytest.param([{"role": "user"}], "content", id="chat-dict-without-content"),
@@ -105,6 +110,25 @@ def test_make_job_revalidates_sampling_changed_after_construction() -> None:
     with pytest.raises(InvalidRequestError, match="n=0") as info:
         make_job("job-1", "hi", sampling)
     assert info.value.job_id == "job-1"
+    # A batch's later jobs skip it (the first job of the batch checked it): the caller's word.
+    assert make_job("job-2", "hi", sampling, sampling_checked=True).sampling.n == 0
+
+
+def test_generate_checks_a_batchs_sampling_with_its_first_job() -> None:
+    sampling = SamplingParams()
+    sampling.n = 0
+
+    async def main() -> str | None:
+        client = AsyncRolloutClient(free_tcp_address(), name="once")
+        try:
+            with pytest.raises(InvalidRequestError, match="n=0") as info:
+                await client.generate(["a", "b"], sampling)
+            return info.value.job_id
+        finally:
+            await client.close()
+
+    job_id = asyncio.run(main())
+    assert job_id is not None and job_id.endswith("-0")  # the first job's id: nothing was sent
 
 
 def requests_reaching(fake_broker: zmq.Socket[Any]) -> list[bytes]:
