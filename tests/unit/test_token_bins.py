@@ -109,25 +109,28 @@ def send(sock: zmq.Socket[Any], command: bytes, body: Any = None) -> None:
     sock.send_multipart(codec.encode(command, body))
 
 
-_received: dict[int, list[codec.Message]] = {}
+class Inbox:
+    """What a raw client got from the broker (messages of other commands than the one asked
+    for are kept for a later ``items``)."""
 
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self.sock = sock
+        self.got: list[codec.Message] = []
 
-def answers(sock: zmq.Socket[Any], command: bytes, count: int) -> list[Any]:
-    """The items of the ``command`` messages a raw client got, once there are ``count`` of them
-    (messages of other commands are kept for a later call)."""
-    got = _received.setdefault(id(sock), [])
+    def items(self, command: bytes, count: int) -> list[Any]:
+        """The items of the ``command`` messages got so far, once there are ``count`` of them."""
 
-    def items() -> list[Any]:
-        bodies = [m.body for m in got if m.command == command]
-        return bodies if command == p.HEARTBEAT else [item for body in bodies for item in body]
+        def found() -> list[Any]:
+            bodies = [m.body for m in self.got if m.command == command]
+            return bodies if command == p.HEARTBEAT else [item for body in bodies for item in body]
 
-    def enough() -> bool:
-        while sock.poll(0):
-            got.append(FROM_BROKER_TO_CLIENT.decode(sock.recv_multipart()))
-        return len(items()) >= count
+        def enough() -> bool:
+            while self.sock.poll(0):
+                self.got.append(FROM_BROKER_TO_CLIENT.decode(self.sock.recv_multipart()))
+            return len(found()) >= count
 
-    poll_until(enough, what=f"{count} {p.COMMAND_NAMES[command]}")
-    return items()
+        poll_until(enough, what=f"{count} {p.COMMAND_NAMES[command]}")
+        return found()
 
 
 def _worker(raw_socket: Any, broker: Any, capabilities: list[str]) -> zmq.Socket[Any]:
@@ -156,13 +159,14 @@ def test_the_broker_relays_a_bin_to_a_worker_that_reads_it_and_an_array_to_one_t
     worker = _worker(raw_socket, broker, ["generate", p.TOKEN_BINS] if reads_bins else ["generate"])
     client = raw_socket(zmq.DEALER)
     client.connect(broker.frontend)
+    inbox = Inbox(client)
     send(client, p.HEARTBEAT)
-    assert answers(client, p.HEARTBEAT, 1)[0].token_bins  # what clients are told
+    assert inbox.items(p.HEARTBEAT, 1)[0].token_bins  # what clients are told
     send(client, p.SUBMIT, [msgspec.Raw(encode_job(p.JobSpec("b", prompt_token_ids=IDS), token_bins=True))])
     ((ticket, job),) = _jobs_raw(worker)
     assert job[4] == (p.to_bin(IDS) if reads_bins else IDS)
     send(worker, p.FINAL, [p.Result(ticket, IDS, [], 0, "raw")])
-    (result,) = answers(client, p.FINAL, 1)
+    (result,) = inbox.items(p.FINAL, 1)
     assert (result.key, result.prompt_token_ids) == ("b", IDS)
     assert broker.malformed() == {}
 
@@ -174,10 +178,11 @@ def test_a_bad_bin_is_refused_to_its_sender_alone(start_broker: Any, start_doubl
     client.connect(broker.frontend)
     header = [["bad", [], None, None, b"\x01\x02\x03"], ["good", [], None, None, p.to_bin([5, 6])]]
     client.send_multipart([p.SIGNATURE, p.SUBMIT, msgpack.packb(header)])
-    (err,) = answers(client, p.ERROR, 1)
+    inbox = Inbox(client)
+    (err,) = inbox.items(p.ERROR, 1)
     assert (err.key, err.code) == ("bad", "invalid_request")
     assert "4 bytes an id" in err.message
-    (final,) = answers(client, p.FINAL, 1)
+    (final,) = inbox.items(p.FINAL, 1)
     assert (final.key, final.prompt_token_ids) == ("good", [5, 6])
 
 
