@@ -551,19 +551,18 @@ def _serve_doubles(
             name = socks[sock]
             while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 msg = decoder.decode(sock.recv_multipart(zmq.NOBLOCK))
-                if msg.command == p.JOBS and LEAN:
-                    answer = answers.get((name, sealed[sock]))
-                    if answer is None:  # the benchmark's jobs are all alike: the first one's answer is each one's
-                        answer = answers[name, sealed[sock]] = _answer_template(msg.body[0], name, sealed[sock])
-                    sock.send_multipart(answer.frames([a.ticket for a in msg.body], packed[sock]))
-                    counts[slot] += len(msg.body)
-                    counts[slot + 1] += 1
-                elif msg.command == p.JOBS:
-                    segments: list[list[Any]] = []  # coalesced as the worker's (FINAL, SEALED_FINAL)
-                    for a in map(p.unseal, msg.body):
-                        append(segments, *p.final_item(bench_result(a, name), sealed[sock]))  # type: ignore[arg-type]
-                    for command, items in segments:
-                        sock.send_multipart(codec.encode(command, items, packed=packed[sock]))
+                if msg.command == p.JOBS:
+                    if LEAN:
+                        answer = answers.get((name, sealed[sock]))
+                        if answer is None:  # the benchmark's jobs are all alike: the first one's answer is each one's
+                            answer = answers[name, sealed[sock]] = _answer_template(msg.body[0], name, sealed[sock])
+                        sock.send_multipart(answer.frames([a.ticket for a in msg.body], packed[sock]))
+                    else:
+                        segments: list[list[Any]] = []  # coalesced as the worker's (FINAL, SEALED_FINAL)
+                        for a in map(p.unseal, msg.body):
+                            append(segments, *p.final_item(bench_result(a, name), sealed[sock]))  # type: ignore[arg-type]
+                        for command, items in segments:
+                            sock.send_multipart(codec.encode(command, items, packed=packed[sock]))
                     counts[slot] += len(msg.body)
                     counts[slot + 1] += 1
                 elif msg.command == p.HEARTBEAT:

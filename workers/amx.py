@@ -19,6 +19,7 @@ import ctypes
 import logging
 import platform
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +29,10 @@ ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 
 
-def _arch_prctl(code: int, arg: int) -> tuple[int, int]:
-    """(return value, errno) of the raw system call."""
+def _arch_prctl(code: int, arg: Any) -> tuple[int, int]:
+    """(return value, errno) of the raw system call; ``arg`` an int, or a ctypes pointer."""
     libc = ctypes.CDLL(None, use_errno=True)
-    result = libc.syscall(SYS_ARCH_PRCTL, ctypes.c_ulong(code), ctypes.c_ulong(arg))
+    result = libc.syscall(SYS_ARCH_PRCTL, ctypes.c_ulong(code), ctypes.c_ulong(arg) if isinstance(arg, int) else arg)
     return int(result), ctypes.get_errno()
 
 
@@ -45,8 +46,7 @@ def tiles_permitted() -> bool:
     if not applies():
         return False
     mask = ctypes.c_ulong(0)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(SYS_ARCH_PRCTL, ctypes.c_ulong(ARCH_GET_XCOMP_PERM), ctypes.byref(mask)) != 0:
+    if _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.byref(mask))[0] != 0:
         return False
     return bool(mask.value >> XFEATURE_XTILEDATA & 1)
 

@@ -200,11 +200,8 @@ class LocalCluster:
         where to look: without a ``log_dir`` their output went nowhere."""
         if not self.log_dir:
             return " (start the cluster with log_dir=... to keep the workers' output)"
-        return "".join(
-            f"\n--- {name}: {path} ---\n{log_excerpt(path)}"
-            for name in names
-            for path in [os.path.join(self.log_dir, f"{name}.log")]
-        )
+        paths = {name: os.path.join(self.log_dir, f"{name}.log") for name in names}
+        return "".join(f"\n--- {name}: {path} ---\n{log_excerpt(path)}" for name, path in paths.items())
 
     def kill_worker(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Kill a worker's whole process group (the worker and its vLLM engine core)."""
