@@ -253,11 +253,15 @@ class Scheduler:
             return
         fleet = self.sync.fleet_version
         finals: dict[ClientId, list[Any]] = {}  # FINAL lists per client, while nothing else goes to one
-        done: list[tuple[Job, AnyResult]] = []
-        running_here, clients, outbox = worker.running, self.clients, self.outbox
+        running_here, clients, outbox, relay = worker.running, self.clients, self.outbox, p.ResultRelay
         last: ClientId | None = None  # the client of the result before (a FINAL's results come in runs)
         client: ClientState | None = None
+        remember: set[str] | None = None  # its answered ids, while it is young (``_answered``)
         out: list[Any] = []
+        # The metrics per block (``staleness.py``): each distinct submission time's latency once;
+        # samples of the fleet's version counted at once; a result that crossed a sync, alone.
+        submitted: dict[float, int] = {}
+        fresh = done = 0
         for result in results:
             ticket: Any = result.key
             job = running_here.get(ticket)
@@ -272,49 +276,57 @@ class Scheduler:
                     continue
             # ``_finish``, inline for the usual case (the client looked up once per run of its results)
             del running_here[ticket]
-            worker.credits_used -= job.cost
+            cost = job.cost
+            worker.credits_used -= cost
             jid = spec.job_id
             if job.client != last:
                 last = job.client
                 client = clients.get(last)
+                remember = None if client is None else client.finished
                 found = finals.get(last)
                 out = finals[last] = outbox.items_to(CLIENT, last, p.FINAL) if found is None else found
             if client is not None:
                 client.running.pop(jid, None)
-                self._answered(client, jid)
-            out.append(result.to_client(jid))
-            done.append((job, result))
+                if remember is not None and len(remember) < MAX_REMEMBERED:
+                    remember.add(jid)
+            if type(result) is relay:  # ``ResultRelay.to_client``, inline
+                result.key = jid
+                out.append(result)
+            else:
+                out.append(result.to_client(jid))
+            submitted[job.submitted_at] = submitted.get(job.submitted_at, 0) + 1
+            if result.weight_version == job.dispatched_version >= fleet:  # the usual: the fleet's version
+                fresh += cost
+            else:
+                self._observe_version(job, result, fleet)
+            done += 1
         if done:
-            self._offer(worker)  # once for its load after the whole message
-            self._observe_done(worker, done, fleet, now)
+            self._done(worker, done, submitted, fresh, now)
         self.dispatch_soon(now)
 
-    def _observe_done(self, worker: WorkerState, done: list[tuple[Job, AnyResult]], fleet: int, now: float) -> None:
-        """The metrics of one FINAL's finished jobs, per block: each distinct submission time's
-        latency once, and the samples' staleness (``staleness.py``): n samples of the version
-        the job was dispatched at, unless a sync came meanwhile; counted at once for the usual
-        case, samples of the fleet's version."""
+    def _observe_version(self, job: Job, result: AnyResult, fleet: int) -> None:
+        """The staleness of a finished job's samples not all of the fleet's version: ``n`` of
+        the version it was dispatched at, unless a sync came meanwhile (``staleness.py``)."""
+        version = result.weight_version
+        if version != job.dispatched_version:
+            observe_crossing(self.stats, result.samples, job.cost, version, fleet)
+        else:
+            self.stats.staleness.observe_many(fleet - version, job.cost)
+
+    def _done(self, worker: WorkerState, done: int, submitted: dict[float, int], fresh: int, now: float) -> None:
+        """After one FINAL: ``worker``'s place on the dispatch heap for its new load, once, and the
+        metrics per block: ``done`` jobs finished, ``submitted`` of them per submission time (one
+        latency each), ``fresh`` samples of the fleet's version."""
+        self._offer(worker)
         stats = self.stats
-        fresh = 0
-        submitted: dict[float, int] = {}
-        for job, result in done:
-            at = job.submitted_at
-            submitted[at] = submitted.get(at, 0) + 1
-            version = result.weight_version
-            if version != job.dispatched_version:
-                observe_crossing(stats, result.samples, job.cost, version, fleet)
-            elif version >= fleet:
-                fresh += job.cost
-            else:
-                stats.staleness.observe_many(fleet - version, job.cost)
         if fresh:
             stats.staleness.observe_many(0, fresh)
         for at, n in submitted.items():
             stats.job_latency.observe_many(now - at, n)
-        stats.completed += len(done)
+        stats.completed += done
         tally = stats.workers.get(worker.info.name)
         if tally is not None:
-            tally.completed += len(done)
+            tally.completed += done
 
     def _too_stale(self, worker: WorkerState, job: Job, result: AnyResult, fleet: int, now: float) -> bool:
         """A result further behind the fleet than its job's ``max_staleness``: the job runs again
@@ -568,7 +580,7 @@ class Scheduler:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
             worker.jobs_sent_at = now
         relay = p.AssignmentRelay
-        taken = 0
+        taken, used = 0, worker.credits_used
         while True:  # each job as ``_dequeue`` and ``_assign`` do it, inline
             queue = client.queue
             job = queue.popleft()
@@ -579,7 +591,7 @@ class Scheduler:
             job.attempts += 1
             job.dispatched_version = version
             running[ticket] = job
-            worker.credits_used += job.cost
+            used += job.cost
             job.worker = identity
             client.running[jid] = job
             out.append(relay(ticket, spec))
@@ -588,7 +600,6 @@ class Scheduler:
             taken += 1
             if queue:
                 waiting.append(client)
-            used = worker.credits_used
             if used >= credits or not waiting:
                 break
             if heap and used // step > heap[0][0]:  # ``pick`` takes it again while it comes first
@@ -606,7 +617,7 @@ class Scheduler:
             ):
                 break
             waiting.popleft()
-        worker.last_pick = ticket
+        worker.credits_used, worker.last_pick = used, ticket
         self.num_queued -= taken
         self._heap.offer_next(worker, len(self.workers))  # kept for the next pick (dispatch_heap.py)
 

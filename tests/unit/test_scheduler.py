@@ -681,6 +681,20 @@ def test_a_resubmitted_job_this_broker_already_answered_is_not_run_again() -> No
     assert assigned_ids(s.outbox.take(), W1) == ["a1"]
 
 
+def test_the_answered_jobs_remembered_per_client_stop_at_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ids a young client's answered jobs are remembered by (for resubmissions) stop growing
+    at MAX_REMEMBERED, whether its results come in one FINAL or in several."""
+    monkeypatch.setattr("zmq_rollout.broker.scheduler.MAX_REMEMBERED", 3)
+    s = make(client_expiry_s=10.0)
+    ready(s, W1, 8)
+    s.submit(A, jobs("a", 5), now=0.0)
+    running = assigned(s.outbox.take(), W1)
+    finish(s, W1, running[:2], now=0.5)
+    finish(s, W1, running[2:], now=0.6)
+    assert len(body(s.outbox.take(), CLIENT, A, p.FINAL)) == 5
+    assert s.clients[A].finished == {"a0", "a1", "a2"}
+
+
 # -- ACCEPTED on request (JobSpec.ack) ---------------------------------------------------------
 def test_only_jobs_that_ask_for_it_are_accepted() -> None:
     s = make()
