@@ -248,6 +248,29 @@ def test_duplicate_job_id_is_an_error() -> None:
     assert body(s.outbox.take(), CLIENT, B, p.ACCEPTED) == ["x"]
 
 
+def test_an_id_twice_in_one_submit_is_queued_once_and_refused_once() -> None:
+    """A SUBMIT whose own ids repeat is not queued as a block: the first of them is queued, the
+    second refused, the others in the message queued in order."""
+    s = make()
+    ready(s, W1, 8)
+    s.submit(A, [job("a"), job("b"), job("a", ack=False), job("c")], now=0.0)
+    sent = s.outbox.take()
+    assert [(e.key, e.code) for e in body(sent, CLIENT, A, p.ERROR)] == [("a", "invalid_request")]
+    assert body(sent, CLIENT, A, p.ACCEPTED) == ["a", "b", "c"]
+    assert assigned_ids(sent, W1) == ["a", "b", "c"]
+    assert s.stats.submitted == 3 and s.stats.rejected_invalid == 1
+
+
+def test_a_submit_queued_as_a_block_keeps_its_order_and_acknowledges_whom_it_asks() -> None:
+    s = make()
+    s.submit(A, [job("a0"), job("a1", ack=False), job("a2")], now=0.0)
+    assert body(s.outbox.take(), CLIENT, A, p.ACCEPTED) == ["a0", "a2"]
+    assert [j.spec.job_id for j in s.clients[A].queue] == ["a0", "a1", "a2"]
+    assert list(s.clients[A].queued) == ["a0", "a1", "a2"] and s.num_queued == 3
+    ready(s, W1, 8)
+    assert assigned_ids(s.outbox.take(), W1) == ["a0", "a1", "a2"]
+
+
 # -- cancel and departures ----------------------------------------------------------------
 def test_cancel_queued_job_is_never_dispatched() -> None:
     s = make()
