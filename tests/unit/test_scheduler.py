@@ -704,6 +704,24 @@ def test_a_resubmitted_job_this_broker_already_answered_is_not_run_again() -> No
     assert assigned_ids(s.outbox.take(), W1) == ["a1"]
 
 
+def test_a_final_of_clients_in_turn_answers_each_its_own_in_order() -> None:
+    """Dispatched in turn, a worker's FINAL holds clients' results in turn: each client gets
+    one FINAL of its own results, in the worker's order, and its jobs leave its running set."""
+    s = make()
+    s.submit(A, jobs("a", 2), now=0.0)
+    s.submit(B, jobs("b", 2), now=0.0)
+    s.outbox.take()
+    ready(s, W1, 4)
+    running = assigned(s.outbox.take(), W1)
+    assert [a.job.job_id for a in running] == ["a0", "b0", "a1", "b1"]
+    finish(s, W1, running, now=0.5)
+    sent = s.outbox.take()
+    assert [r.key for r in body(sent, CLIENT, A, p.FINAL)] == ["a0", "a1"]
+    assert [r.key for r in body(sent, CLIENT, B, p.FINAL)] == ["b0", "b1"]
+    assert [c for side, c, command, _ in sent if side == CLIENT and command == p.FINAL] == [A, B]
+    assert not s.clients[A].running and not s.clients[B].running and s.stats.completed == 4
+
+
 def test_the_answered_jobs_remembered_per_client_stop_at_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ids a young client's answered jobs are remembered by (for resubmissions) stop growing
     at MAX_REMEMBERED, whether its results come in one FINAL or in several."""
