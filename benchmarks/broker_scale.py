@@ -255,7 +255,7 @@ def broker_status(address: str, timeout: float = 10.0) -> Any:
 
 
 def start_clients(g: Group, front: str, case: Case, args: argparse.Namespace, go: Any, clock: Any) -> list[str]:
-    batch, window = (BATCH, BATCH_WINDOW) if case.batched else (1, SINGLE_WINDOW)
+    batch, window = (BATCH, getattr(args, "batch_window", BATCH_WINDOW)) if case.batched else (1, SINGLE_WINDOW)
     tags = [
         g.start(
             "clients",
@@ -452,7 +452,8 @@ def report(
         f"{cfg.heartbeat_interval_s} s, a worker silent {cfg.worker_expiry_s} s is purged)"
     )
     print(
-        f"clients: raw DEALERs over up to {args.client_procs} processes; batched = {BATCH_WINDOW} x {BATCH} jobs, "
+        f"clients: raw DEALERs over up to {args.client_procs} processes; "
+        f"batched = {getattr(args, 'batch_window', BATCH_WINDOW)} x {BATCH} jobs, "
         f"unbatched = {SINGLE_WINDOW} x 1 job in flight per client"
     )
     print("\nbroker CPU per job by workers and clients (x 8x8: us/job over the 8 workers x 8 clients case's)")

@@ -428,7 +428,7 @@ def profile(args: argparse.Namespace) -> None:
         tool = "py-spy" if profiling.find_py_spy() else "cprofile"
     path = os.path.abspath(args.profile_out + (".txt" if tool == "py-spy" else ".prof"))
     clients, workers = (int(x) for x in args.profile_shape.split("x"))
-    batch, window = (BATCH, BATCH_WINDOW) if args.profile == "batched" else (1, SINGLE_WINDOW)
+    batch, window = (BATCH, args.batch_window) if args.profile == "batched" else (1, SINGLE_WINDOW)
     row = run_throughput(Setup("broker", clients, workers, batch, window), args, (tool, path))
     print(f"{row['case']}, profiled by {tool}: {row['jobs_per_s']:,} jobs/s, CPU cores "
           f"{row['cpu_cores']}, broker {row['server_cpu_us_per_job']} us CPU per job")  # fmt: skip
@@ -544,15 +544,27 @@ def check_protocol(tree: Tree, args: argparse.Namespace, clients: dict[str, Any]
     return f"{tree.label}: protocol {tree.wire['signature']}, {wire}, {len(answered)}/{len(ids)} check jobs answered"
 
 
-def comparison_setups() -> list[Setup]:
+def comparison_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
     """The broker cases of the full run (and the library's); not ``broker+curve``: a baseline
-    may predate CurveZMQ."""
+    may predate CurveZMQ. ``batch_window``: SUBMITs in flight per client, batched."""
     return [
         Setup("broker", c, w, b, win)
         for c in (1, 8)
         for w in (1, 8, 64)
-        for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
-    ] + [Setup("library", 1, 8, BATCH, BATCH_WINDOW)]
+        for b, win in ((1, SINGLE_WINDOW), (BATCH, batch_window))
+    ] + [Setup("library", 1, 8, BATCH, batch_window)]
+
+
+def matrix_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
+    """The full run's cases: the broker's, with CurveZMQ, the library's, ``zmq.proxy``'s and the
+    HTTP endpoint's (64 POSTs in flight, of 1 or ``BATCH`` requests). ``batch_window``: SUBMITs
+    in flight per client in the batched cases but HTTP's."""
+    windows = ((1, SINGLE_WINDOW), (BATCH, batch_window))
+    setups = [Setup("broker", c, w, b, win) for c in (1, 8) for w in (1, 8, 64) for b, win in windows]
+    setups += [Setup("curve", c, c, b, win) for c in (1, 8) for b, win in windows]  # CurveZMQ on both ports
+    setups.append(Setup("library", 1, 8, BATCH, batch_window))
+    setups += [Setup("proxy", c, c, b, win) for c in (1, 8) for b, win in windows]
+    return [*setups, Setup("http", 1, 0, 1, 64), Setup("http", 1, 0, BATCH, 64)]
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -607,7 +619,7 @@ def compare(args: argparse.Namespace) -> None:
                     flush=True,
                 )
         cases = []
-        for setup in comparison_setups():
+        for setup in comparison_setups(args.batch_window):
             if not selected(args, setup.name):
                 continue
             runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
@@ -639,6 +651,14 @@ def main() -> None:
     ap.add_argument("--latency-count", type=int, help="round trips per latency path (default 5000, quick 500)")
     ap.add_argument("--credits", type=int, default=64, help="credits per echo double (vLLM max_num_seqs)")
     ap.add_argument("--worker-procs", type=int, default=2, help="processes the worker threads are spread over")
+    ap.add_argument(
+        "--batch-window",
+        type=int,
+        default=BATCH_WINDOW,
+        metavar="N",
+        help=f"batched cases: SUBMITs of {BATCH} jobs each client keeps in flight (default {BATCH_WINDOW}; "
+        f"8 gives the 8-client cases the HTTP baseline's 4,096 jobs in flight)",
+    )
     ap.add_argument(
         "--doubles",
         choices=["lean", "echo"],
@@ -722,6 +742,8 @@ def main() -> None:
         "pack_step=64,busy_poll_us=0 (default: the broker's own)",
     )
     args = ap.parse_args()
+    if args.batch_window < 1:
+        ap.error(f"--batch-window {args.batch_window}: at least 1 SUBMIT in flight per client")
     try:
         settings = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.broker_config.split(",") if kv)}
         BrokerConfig(**settings)
@@ -770,20 +792,8 @@ def main() -> None:
     for path in LATENCY_PATHS if selected(args, "latency") else ():
         latency[path] = run_latency(path, args)
         print(f"  latency {path:<10} p50 {percentile_us(latency[path], 0.5):7.1f} us", flush=True)
-    setups = [
-        Setup("broker", c, w, b, win)
-        for c in (1, 8)
-        for w in (1, 8, 64)
-        for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
-    ]
-    setups += [  # the cost of CurveZMQ: the same cases with keys on both ports
-        Setup("curve", c, c, b, win) for c in (1, 8) for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))
-    ]
-    setups.append(Setup("library", 1, 8, BATCH, BATCH_WINDOW))
-    setups += [Setup("proxy", c, c, b, win) for c in (1, 8) for b, win in ((1, SINGLE_WINDOW), (BATCH, BATCH_WINDOW))]
-    setups += [Setup("http", 1, 0, 1, 64), Setup("http", 1, 0, BATCH, 64)]
     rows = []
-    for setup in setups:
+    for setup in matrix_setups(args.batch_window):
         if not selected(args, setup.name):
             continue
         rows.append(run_throughput(setup, args))

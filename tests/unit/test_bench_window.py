@@ -1,0 +1,35 @@
+"""``benchmarks/broker_throughput.py --batch-window``: the SUBMITs each client keeps in flight
+in the batched cases (the HTTP baseline's in-flight POSTs stay as they are)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # as when run from there
+
+import broker_throughput as bt  # noqa: E402
+from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW  # noqa: E402
+
+
+def test_the_window_reaches_every_batched_case_but_http() -> None:
+    for setups in (bt.matrix_setups(8), bt.comparison_setups(8)):
+        batched = [s for s in setups if s.batch == BATCH and s.kind != "http"]
+        assert batched and {s.window for s in batched} == {8}
+        assert {s.window for s in setups if s.batch == 1 and s.kind != "http"} == {SINGLE_WINDOW}
+    assert {s.window for s in bt.matrix_setups(8) if s.kind == "http"} == {64}
+    assert {s.window for s in bt.matrix_setups() if s.batch == BATCH and s.kind != "http"} == {BATCH_WINDOW}
+
+
+def test_a_window_below_one_is_refused_before_anything_starts() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "broker_throughput.py"), "--batch-window", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "--batch-window 0: at least 1 SUBMIT in flight per client" in run.stderr
