@@ -59,7 +59,7 @@ from broker_throughput import (
     wire_differences,
     worktree,
 )
-from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, _cpu_model
+from report import BATCH, SINGLE_WINDOW, _cpu_model
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
@@ -255,7 +255,7 @@ def broker_status(address: str, timeout: float = 10.0) -> Any:
 
 
 def start_clients(g: Group, front: str, case: Case, args: argparse.Namespace, go: Any, clock: Any) -> list[str]:
-    batch, window = (BATCH, getattr(args, "batch_window", BATCH_WINDOW)) if case.batched else (1, SINGLE_WINDOW)
+    batch, window = (BATCH, args.batch_window) if case.batched else (1, SINGLE_WINDOW)
     tags = [
         g.start(
             "clients",
@@ -453,7 +453,7 @@ def report(
     )
     print(
         f"clients: raw DEALERs over up to {args.client_procs} processes; "
-        f"batched = {getattr(args, 'batch_window', BATCH_WINDOW)} x {BATCH} jobs, "
+        f"batched = {args.batch_window} x {BATCH} jobs, "
         f"unbatched = {SINGLE_WINDOW} x 1 job in flight per client"
     )
     print("\nbroker CPU per job by workers and clients (x 8x8: us/job over the 8 workers x 8 clients case's)")

@@ -544,17 +544,6 @@ def check_protocol(tree: Tree, args: argparse.Namespace, clients: dict[str, Any]
     return f"{tree.label}: protocol {tree.wire['signature']}, {wire}, {len(answered)}/{len(ids)} check jobs answered"
 
 
-def comparison_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
-    """The broker cases of the full run (and the library's); not ``broker+curve``: a baseline
-    may predate CurveZMQ. ``batch_window``: SUBMITs in flight per client, batched."""
-    return [
-        Setup("broker", c, w, b, win)
-        for c in (1, 8)
-        for w in (1, 8, 64)
-        for b, win in ((1, SINGLE_WINDOW), (BATCH, batch_window))
-    ] + [Setup("library", 1, 8, BATCH, batch_window)]
-
-
 def matrix_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
     """The full run's cases: the broker's, with CurveZMQ, the library's, ``zmq.proxy``'s and the
     HTTP endpoint's (64 POSTs in flight, of 1 or ``BATCH`` requests). ``batch_window``: SUBMITs
@@ -565,6 +554,12 @@ def matrix_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
     setups.append(Setup("library", 1, 8, BATCH, batch_window))
     setups += [Setup("proxy", c, c, b, win) for c in (1, 8) for b, win in windows]
     return [*setups, Setup("http", 1, 0, 1, 64), Setup("http", 1, 0, BATCH, 64)]
+
+
+def comparison_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
+    """The full run's broker cases and the library's; not ``broker+curve``: a baseline may
+    predate CurveZMQ."""
+    return [s for s in matrix_setups(batch_window) if s.kind in ("broker", "library")]
 
 
 def compare(args: argparse.Namespace) -> None:

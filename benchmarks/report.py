@@ -96,7 +96,7 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
     print(f"workers: {doubles_line(args)}; zmq.proxy's workers: raw DEALER echo threads, spread the same way")
     print(
         f"clients: one process each; unbatched = {SINGLE_WINDOW} one-job messages in flight per client, "
-        f"batched = {getattr(args, 'batch_window', BATCH_WINDOW)} messages x {BATCH} jobs in flight per client; "
+        f"batched = {args.batch_window} messages x {BATCH} jobs in flight per client; "
         "HTTP: 1 aiohttp process, "
         f"64 POSTs in flight (1 or {BATCH} requests per POST); prompts: 100 bytes"
     )
