@@ -1,7 +1,8 @@
 """Interleaved pairs for ``gpu_e2e.py --phases pairs``: direct ``AsyncLLM`` and the service, both alive.
 
-One process holds both: the service (``LocalCluster``: a broker thread and one worker
-process, at the same priority as this one) and a direct ``AsyncLLM`` built with exactly the
+One process holds both: the service (``LocalCluster``: a broker thread, or with
+``--broker-process`` a broker process of its own, and one worker process, at the same
+priority as this one) and a direct ``AsyncLLM`` built with exactly the
 worker's engine arguments, each with its share of the GPU (``--gpu-memory-utilization``,
 ``--kv-cache-gib``). Start-up and CUDA-graph capture are paid once; then each pair runs the
 same batch (prompts, per-prompt seeds) on one side and then on the other, the order
@@ -10,7 +11,7 @@ same machine within seconds of each other.
 
 Each batch also records the CPU seconds of every process it touches (``Cpu``): this process
 (the client, or the direct ``AsyncLLM``'s front end: never both at once) without the broker
-thread, the broker thread, the worker process, the worker's engine core and the direct
+thread, the broker (its thread or its process), the worker process, the worker's engine core and the direct
 engine core. The idle side's figures show what sleeping costs; the busy side's, where the
 time goes.
 """
@@ -58,21 +59,30 @@ def gc_seconds(here: GcClock, worker_metrics_port: int) -> dict[str, float]:
 class Cpu:
     """CPU seconds used so far by each part of the run, by name (``snapshot``)."""
 
-    def __init__(self, worker_pid: int, broker_thread: threading.Thread) -> None:
+    def __init__(self, worker_pid: int, broker: threading.Thread | int) -> None:
+        """``broker``: the broker's thread in this process, or its own process's pid."""
         self.me = psutil.Process()
         self.worker = psutil.Process(worker_pid)
-        self.broker_tid = broker_thread.native_id
+        self.broker_tid = broker.native_id if isinstance(broker, threading.Thread) else None
+        self.broker_proc = None if isinstance(broker, threading.Thread) else psutil.Process(broker)
 
     def snapshot(self) -> dict[str, float]:
-        broker = next((t.user_time + t.system_time for t in self.me.threads() if t.id == self.broker_tid), 0.0)
+        if self.broker_proc is not None:
+            broker, broker_thread = _cpu(self.broker_proc), 0.0
+        else:
+            broker = broker_thread = next(
+                (t.user_time + t.system_time for t in self.me.threads() if t.id == self.broker_tid), 0.0
+            )
         try:
             worker_tree = {self.worker.pid, *(c.pid for c in self.worker.children(recursive=True))}
+            if self.broker_proc is not None:
+                worker_tree.add(self.broker_proc.pid)  # not the direct engine's
             mine = self.me.children(recursive=True)
             worker_kids = self.worker.children(recursive=True)
         except psutil.Error:
             worker_tree, mine, worker_kids = set(), [], []
         return {
-            "client_or_direct_frontend": _cpu(self.me) - broker,
+            "client_or_direct_frontend": _cpu(self.me) - broker_thread,
             "broker": broker,
             "worker": _cpu(self.worker),
             "worker_engine_core": sum(_cpu(c) for c in worker_kids),
@@ -114,9 +124,10 @@ def pin_all(cpu: Cpu) -> dict[str, list[int]]:
     if not all(groups):
         return {}
     worker_kids = cpu.worker.children(recursive=True)
-    worker_tree = {cpu.worker.pid, *(c.pid for c in worker_kids)}
+    broker = [] if cpu.broker_proc is None else [cpu.broker_proc.pid]
+    worker_tree = {cpu.worker.pid, *(c.pid for c in worker_kids), *broker}
     direct_kids = [c for c in cpu.me.children(recursive=True) if c.pid not in worker_tree]
-    plan = {"this process (client, broker, direct front end)": ([cpu.me.pid], groups[0]),
+    plan = {"this process (client, broker, direct front end)": ([cpu.me.pid, *broker], groups[0]),
             "direct engine core": ([c.pid for c in direct_kids], groups[1]),
             "worker": ([cpu.worker.pid], groups[2]),
             "worker engine core": ([c.pid for c in worker_kids], groups[3])}  # fmt: skip
@@ -143,20 +154,22 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
     gc_here = process_clock()  # this process: the client, the broker thread and the direct front end
     os.makedirs(args.log_dir, exist_ok=True)
     cluster = LocalCluster(args.model, num_workers=1, worker_overrides=overrides, log_dir=args.log_dir,
-                           worker_niceness=0)  # fmt: skip
+                           worker_niceness=0, broker_process=args.broker_process)  # fmt: skip
     deadline = time.monotonic() + args.phase_timeout - 30  # stop early, cleanly, rather than be killed
     started = time.monotonic()
     cluster.start(wait_s=args.start_timeout)
     service_startup = time.monotonic() - started
-    log(f"pairs: service up in {service_startup:.1f} s ({overrides})")
+    where = "its own process" if args.broker_process else "a thread of this process"
+    log(f"pairs: service up in {service_startup:.1f} s ({overrides}); the broker in {where}")
     llm = None
     try:
         started = time.monotonic()
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         direct_startup = time.monotonic() - started
         log(f"pairs: direct AsyncLLM up in {direct_startup:.1f} s (vLLM {vllm.__version__})")
-        assert cluster.broker is not None
-        cpu = Cpu(cluster.workers["worker-0"].pid, cluster.broker._thread)
+        broker = cluster.broker._thread if cluster.broker is not None else cluster.broker_proc
+        assert broker is not None
+        cpu = Cpu(cluster.workers["worker-0"].pid, broker if isinstance(broker, threading.Thread) else broker.pid)
         pinned = pin_all(cpu) if args.pin else {}
         log(f"pairs: pinned {pinned}" if pinned else "pairs: not pinned")
         work = batches(args)

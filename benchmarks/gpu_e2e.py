@@ -218,7 +218,7 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(args.log_dir, exist_ok=True)
     # worker_niceness=0: the worker competes for the CPU as the direct engine's process does.
     cluster = LocalCluster(args.model, num_workers=1, worker_overrides=overrides, log_dir=args.log_dir,
-                           worker_niceness=0)  # fmt: skip
+                           worker_niceness=0, broker_process=args.broker_process)  # fmt: skip
     started = time.monotonic()
     try:
         cluster.start(wait_s=args.start_timeout)
@@ -340,6 +340,13 @@ def main() -> None:
         help="pairs: sample the process serving each batch with this py-spy binary (the worker for the "
         "service, this process for direct), into LOG_DIR/profile-SIDE-BATCH.txt, its summary in the log "
         "(benchmarks/stack_samples.py)",
+    )
+    ap.add_argument(
+        "--broker-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the service's broker in a process of its own (LocalCluster(broker_process=True)), "
+        "not a thread of the client's process, whose garbage collections then stop it",
     )
     ap.add_argument("--phase-timeout", type=float, default=400.0)
     ap.add_argument("--start-timeout", type=float, default=300.0)

@@ -186,7 +186,12 @@ class Broker:
     # -- loop ------------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until ``stop()``. Closes the sockets (and the metrics endpoint) on the way out."""
-        log.info("broker up: frontend %s, backend %s", self.frontend_address, self.backend_address)
+        log.info(  # ``LocalCluster(broker_process=True)`` reads this line: its addresses and port
+            "broker up: frontend %s, backend %s, metrics port %s",
+            self.frontend_address,
+            self.backend_address,
+            self.metrics_port,
+        )
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)

@@ -1,4 +1,5 @@
-"""A whole service on one machine: a broker thread plus real vLLM worker processes.
+"""A whole service on one machine: a broker (a thread, or a process of its own) plus real vLLM
+worker processes.
 
 ``LocalCluster`` owns everything it starts and stops exactly that; the demo, the examples
 and the integration tests use it. It watches the broker the way any user can, through a
@@ -8,13 +9,17 @@ services (broker, workers) are imported when a cluster starts, not with this mod
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from typing import IO, TYPE_CHECKING, Any
 
@@ -62,6 +67,49 @@ def wait_until_free(addresses: list[str], timeout_s: float) -> None:
             time.sleep(0.01)
 
 
+BROKER_UP = re.compile(rb"broker up: frontend (\S+), backend (\S+), metrics port (\S+)")
+"""The line a broker logs once it is bound and serving (``Broker.run``)."""
+
+
+class BrokerOutput:
+    """A broker process's output, read on a thread: copied to its log (if any), its last
+    lines kept for an error, and its "up" line's addresses (the ports it bound, wildcards
+    too) once it serves. ``wait_up`` returns them, or raises if it exits or takes too long."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: IO[bytes] | None, keep: int = 12) -> None:
+        self.proc = proc
+        self.log = log
+        self.last: collections.deque[str] = collections.deque(maxlen=keep)
+        self.up: tuple[str, str, int | None] | None = None
+        self._seen = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="broker-output", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if self.log is not None:
+                self.log.write(line)
+                self.log.flush()
+            self.last.append(line.decode("utf-8", "replace").rstrip()[:300])
+            if self.up is None and (found := BROKER_UP.search(line)):
+                frontend, backend, port = (part.decode() for part in found.groups())
+                self.up = (frontend, backend, None if port == "None" else int(port))
+                self._seen.set()
+        self._seen.set()  # its output ended: it exited
+
+    def wait_up(self, timeout_s: float) -> tuple[str, str, int | None]:
+        if not self._seen.wait(timeout_s):
+            raise RolloutTimeoutError(f"the broker process did not start serving within {timeout_s} s")
+        if self.up is None:
+            code = self.proc.wait()
+            raise RuntimeError(f"the broker process exited with code {code} before it served:\n" + "\n".join(self.last))
+        return self.up
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        self._thread.join(timeout_s)
+
+
 def make_nicer(pid: int, niceness: int) -> None:
     """Lower a new process's CPU priority by ``niceness``, before it starts its children (an
     engine process, seconds of imports away), which inherit it. With the kernel's autogroups
@@ -104,18 +152,34 @@ class LocalCluster:
         worker_overrides: dict[str, Any] | None = None,
         log_dir: str | None = None,
         worker_niceness: int = 10,
+        broker_process: bool = False,
     ) -> None:
         """``worker_niceness``: the workers run this much nicer than this process. On one
         machine the engines busy-spin on every core; at equal priority the broker (a thread
         here) and the clients get the CPU seconds late, and with it heartbeats, sync steps and
-        streamed tokens. 0: same priority."""
+        streamed tokens. 0: same priority.
+
+        ``broker_process``: run the broker as a process of its own (``zmq-rollout broker``,
+        with that command's defaults: packing, and polling without sleeping while a core is
+        spare), not as a thread of this one. A thread shares this process's GIL and its
+        garbage collector: a trainer with a large heap stops the broker, and with it every
+        worker's next job, for each full collection (0.46 s once in ``benchmarks/gpu_e2e.py``).
+        Its output goes to ``log_dir``/broker.log; the ports it bound (wildcards too) are read
+        from its "broker up" line."""
         self.model = model
         self.num_workers = num_workers
         self.broker_config = broker_config or BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*")
         self.worker_overrides = {**LOCAL_WORKER_DEFAULTS, **(worker_overrides or {})}
         self.log_dir = log_dir
         self.worker_niceness = worker_niceness
+        self.broker_process = broker_process
         self.broker: BrokerThread | None = None
+        """The broker's thread (None with ``broker_process``: see ``broker_proc``)."""
+        self.broker_proc: subprocess.Popen[bytes] | None = None
+        """The broker's process, with ``broker_process``."""
+        self._broker_started = False
+        self._broker_output: BrokerOutput | None = None
+        self._metrics_port: int | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self._client: RolloutClient | None = None
@@ -124,22 +188,62 @@ class LocalCluster:
     @property
     def address(self) -> str:
         """The broker's frontend (clients connect here)."""
-        assert self.broker is not None, "start() first"
+        assert self._broker_started, "start() first"
         return self._endpoints[0]
 
-    def _start_broker(self, config: BrokerConfig) -> None:
+    def _start_broker(self, config: BrokerConfig, wait_s: float = 60.0) -> None:
+        if self.broker_process:
+            self._start_broker_process(config, wait_s)
+            return
         from zmq_rollout.broker.server import BrokerThread
 
         thread = BrokerThread(config)
         # Read before the broker's thread owns its sockets (they are not thread-safe).
         self._endpoints = (thread.broker.frontend_address, thread.broker.backend_address)
+        self._metrics_port = thread.broker.metrics_port
         self.broker = thread.__enter__()
+        self._broker_started = True
+
+    def _start_broker_process(self, config: BrokerConfig, wait_s: float) -> None:
+        from zmq_rollout.settings import to_argv
+
+        log: IO[bytes] | None = None
+        if self.log_dir:
+            log = open(os.path.join(self.log_dir, "broker.log"), "ab")  # noqa: SIM115 - closed in stop()
+            self._logs.append(log)
+        command = [sys.executable, "-m", "zmq_rollout.cli", "broker", *to_argv(config)]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.broker_proc, self._broker_output = proc, BrokerOutput(proc, log)
+        try:
+            frontend, backend, self._metrics_port = self._broker_output.wait_up(wait_s)
+        except (RuntimeError, RolloutTimeoutError):
+            self._stop_broker()
+            raise
+        self._endpoints = (frontend, backend)
+        self._broker_started = True
+
+    def _stop_broker(self) -> None:
+        if self.broker is not None:
+            self.broker.close()
+            self.broker = None
+        proc, self.broker_proc = self.broker_proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # the broker closes its sockets and exits
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if self._broker_output is not None:
+                self._broker_output.join()  # its last lines are in its log before the log closes
+        self._broker_started = False
 
     @property
     def metrics_port(self) -> int | None:
         """The broker's ``/metrics`` port, if ``broker_config.metrics_port`` asked for one."""
-        assert self.broker is not None, "start() first"
-        return self.broker.broker.metrics_port
+        assert self._broker_started, "start() first"
+        return self._metrics_port
 
     def start(self, wait_s: float = 300.0) -> LocalCluster:
         self._start_broker(self.broker_config)
@@ -152,9 +256,9 @@ class LocalCluster:
     def restart_broker(self) -> None:
         """Stop the broker (its queues are lost, as when its process dies) and start a new one
         on the same addresses; clients and workers find it by themselves."""
-        assert self.broker is not None, "start() first"
+        assert self._broker_started, "start() first"
         frontend, backend = self._endpoints
-        self.broker.close()
+        self._stop_broker()
         wait_until_free([frontend, backend], 10.0)
         self._start_broker(dataclasses.replace(self.broker_config, frontend=frontend, backend=backend))
 
@@ -163,7 +267,7 @@ class LocalCluster:
         e.g. its own ``metrics_port``, or ``gpus="0,1"`` for one process of two engines)."""
         from zmq_rollout.workers.main import worker_command
 
-        assert self.broker is not None, "start() first"
+        assert self._broker_started, "start() first"
         settings = {**self.worker_overrides, **overrides}
         config = WorkerConfig(broker=self._endpoints[1], model=self.model, name=name, **settings)
         out: Any = subprocess.DEVNULL
@@ -229,8 +333,7 @@ class LocalCluster:
                 proc.wait()
         if self._client is not None:
             self._client.close()
-        if self.broker is not None:
-            self.broker.close()
+        self._stop_broker()
         for f in self._logs:
             f.close()
 
