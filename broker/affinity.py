@@ -83,7 +83,7 @@ class Affinity:
         job is not a requeued one (those go anywhere), and that worker is still registered,
         takes jobs and has the job's weights."""
         sid = job.spec.session_id
-        if sid is None or not self.config.affinity or job.attempts:
+        if sid is None or not self.config.affinity or job.losses:
             return None
         record = self.sessions.get((client, sid))
         w = None if record is None or record.worker is None else workers.get(record.worker)

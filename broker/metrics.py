@@ -119,8 +119,8 @@ class SchedulerCollector:
             "zmq_rollout_running_jobs", "Jobs running on workers per client.", labels=["client"]
         )
         for client in list(s.clients.values()):
-            depth.add_metric([client.name], len(client.queued))
-            running.add_metric([client.name], len(client.running))
+            depth.add_metric([client.name], client.num_queued)
+            running.add_metric([client.name], len(client.jobs) - client.num_queued)
         yield depth
         yield running
         workers = list(s.workers.values())

@@ -6,7 +6,7 @@ socket, so every rule here is unit-tested without one (tests/unit/test_scheduler
 
 Invariants:
 - a job is in exactly one place: its client's ``queue``, held for its session's worker
-  (``affinity.py``; still in the client's ``queued``) or one worker's ``running``;
+  (``affinity.py``; still queued in its client's ``jobs``) or one worker's ``running``;
 - a worker never holds more credits of work than it announced, except that a job larger
   than all of a worker's credits may run alone on an idle worker;
 - each job gets exactly one FINAL or ERROR to its client: results under a ticket that is
@@ -81,15 +81,15 @@ class Scheduler:
         accepted: list[str] = []
         new = 0
         cfg = self.config
-        queue, queued, running = client.queue, client.queued, client.running
+        queue, jobs_here = client.queue, client.jobs
         idle = not queue and not self.affinity.holds(identity)  # not in ``_waiting``
-        room = min(cfg.max_queue_per_client - len(queued), cfg.max_queue_total - self.num_queued)
+        room = min(cfg.max_queue_per_client - client.num_queued, cfg.max_queue_total - self.num_queued)
         for spec in jobs:
             jid = spec.job_id
-            if spec.resubmitted and (jid in queued or jid in running or jid in (client.finished or ())):
+            if spec.resubmitted and (jid in jobs_here or jid in (client.finished or ())):
                 if spec.ack:  # sent again after a restart it did not see: it is (or was) here, once
                     accepted.append(jid)
-            elif jid in queued or jid in running:
+            elif jid in jobs_here:
                 self.outbox.to_client(
                     identity, p.ERROR, p.ErrorItem(jid, "invalid_request", f"job id {jid!r} is already in flight")
                 )
@@ -102,19 +102,20 @@ class Scheduler:
                         jid,
                         "busy",
                         (
-                            f"queue full ({len(queued)} queued for this client, {self.num_queued + new} in all; "
+                            f"queue full ({client.num_queued} queued for this client, {self.num_queued + new} in all; "
                             "limits: max_queue_per_client / max_queue_total)"
                         ),
                     ),
                 )
                 self.stats.rejected_busy += 1
             else:  # queued (as ``_enqueue``, its turn in ``_waiting`` taken once below)
-                queued[jid] = job = Job(identity, spec, now, spec.cost())
+                jobs_here[jid] = job = Job(identity, spec, now, spec.cost())
                 queue.append(job)
                 if spec.ack:
                     accepted.append(jid)
                 new += 1
         self.num_queued += new
+        client.num_queued += new
         if idle and new:
             self._waiting.append(client)
         self.stats.submitted += new
@@ -123,13 +124,16 @@ class Scheduler:
         self.dispatch_soon(now)
 
     def _enqueue(self, client: ClientState, job: Job, *, front: bool = False) -> None:
+        """Queue again a job of ``client`` that ran (its worker was lost, or it ran again for
+        staleness); it stays in the client's ``jobs``."""
         if not client.queue and not self.affinity.holds(client.identity):
             self._waiting.append(client)
         if front:
             client.queue.appendleft(job)
         else:
             client.queue.append(job)
-        client.queued[job.spec.job_id] = job
+        job.worker = b""
+        client.num_queued += 1
         self.num_queued += 1
 
     def cancel(self, identity: ClientId, job_ids: list[str], now: float) -> None:
@@ -142,14 +146,14 @@ class Scheduler:
 
     def _drop_job(self, client: ClientState, jid: str) -> bool:
         """Remove a job wherever it is; abort it on its worker. False if unknown."""
-        job = client.queued.pop(jid, None)
-        if job is not None:
-            job.cancelled = True  # lazily skipped by dispatch
-            self.num_queued -= 1
-            return True
-        job = client.running.pop(jid, None)
+        job = client.jobs.pop(jid, None)
         if job is None:
             return False
+        if not job.worker:  # queued
+            job.cancelled = True  # lazily skipped by dispatch
+            client.num_queued -= 1
+            self.num_queued -= 1
+            return True
         worker = self.workers.get(job.worker)
         if worker is not None:
             running = worker.running.pop(job.ticket, None)
@@ -164,7 +168,7 @@ class Scheduler:
         if client is None:
             return
         self.sync.client_gone(identity, now)
-        dropped = list(client.queued) + list(client.running)
+        dropped = list(client.jobs)
         for jid in dropped:
             self._drop_job(client, jid)
         client.queue.clear()
@@ -261,10 +265,10 @@ class Scheduler:
         # The metrics per block (``staleness.py``): each distinct submission time's latency once;
         # samples of the fleet's version counted at once; a result that crossed a sync, alone.
         submitted: dict[float, int] = {}
-        fresh = done = 0
+        fresh = done = freed = 0
         for result in results:
             ticket: Any = result.key
-            job = running_here.get(ticket)
+            job = running_here.pop(ticket, None)  # ``_finish``, inline for the usual case
             if job is None:
                 self.stats.late_replies += 1
                 continue
@@ -272,12 +276,10 @@ class Scheduler:
             if spec.max_staleness is not None:
                 finals.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
                 last = None
-                if self._too_stale(worker, job, result, fleet, now):
+                if self._taken_too_stale(worker, job, result, fleet, now):
                     continue
-            # ``_finish``, inline for the usual case (the client looked up once per run of its results)
-            del running_here[ticket]
             cost = job.cost
-            worker.credits_used -= cost
+            freed += cost  # ``worker.credits_used``, less, once after the loop
             jid = spec.job_id
             if job.client != last:
                 last = job.client
@@ -286,7 +288,7 @@ class Scheduler:
                 found = finals.get(last)
                 out = finals[last] = outbox.items_to(CLIENT, last, p.FINAL) if found is None else found
             if client is not None:
-                client.running.pop(jid, None)
+                client.jobs.pop(jid, None)
                 if remember is not None and len(remember) < MAX_REMEMBERED:
                     remember.add(jid)
             if type(result) is relay:  # ``ResultRelay.to_client``, inline
@@ -301,6 +303,7 @@ class Scheduler:
                 self._observe_version(job, result, fleet)
             done += 1
         if done:
+            worker.credits_used -= freed
             self._done(worker, done, submitted, fresh, now)
         self.dispatch_soon(now)
 
@@ -328,6 +331,15 @@ class Scheduler:
         if tally is not None:
             tally.completed += done
 
+    def _taken_too_stale(self, worker: WorkerState, job: Job, result: AnyResult, fleet: int, now: float) -> bool:
+        """``_too_stale`` for a job ``worker_final`` took off ``worker.running``: back there while
+        it is judged, gone again if its result goes on."""
+        worker.running[job.ticket] = job
+        if self._too_stale(worker, job, result, fleet, now):
+            return True
+        del worker.running[job.ticket]
+        return False
+
     def _too_stale(self, worker: WorkerState, job: Job, result: AnyResult, fleet: int, now: float) -> bool:
         """A result further behind the fleet than its job's ``max_staleness``: the job runs again
         (``on_stale="restart"``, while restarts are left) or is answered ``stale``. False: fresh
@@ -348,9 +360,7 @@ class Scheduler:
             del worker.running[job.ticket]
             worker.credits_used -= job.cost
             self._offer(worker)
-            client.running.pop(spec.job_id, None)
             job.restarts += 1
-            job.attempts -= 1  # it was not lost: a restart does not count toward max_attempts
             self._enqueue(client, job, front=True)
             self.stats.stale_restarted += 1
             if spec.stream:  # the client drops the tokens streamed so far (StreamRestarted)
@@ -399,7 +409,7 @@ class Scheduler:
             self._offer(worker)
         client = self.clients.get(job.client)
         if client is not None:
-            client.running.pop(job.spec.job_id, None)
+            client.jobs.pop(job.spec.job_id, None)
             self._answered(client, job.spec.job_id)
         return job
 
@@ -414,9 +424,11 @@ class Scheduler:
         requeued = failed = 0
         for job in reversed(list(worker.running.values())):
             client = self.clients.get(job.client)
-            if client is None or client.running.pop(job.spec.job_id, None) is None:
+            if client is None or client.jobs.get(job.spec.job_id) is not job:
                 continue
-            if job.attempts >= self.config.max_attempts:
+            job.losses += 1
+            if job.losses >= self.config.max_attempts:
+                del client.jobs[job.spec.job_id]
                 failed += 1
                 self._answered(client, job.spec.job_id)
                 self.outbox.to_client(
@@ -425,7 +437,7 @@ class Scheduler:
                     p.ErrorItem(
                         job.spec.job_id,
                         "job_failed",
-                        f"job lost with {job.attempts} workers in a row (last: {worker.info.name}, {reason}); "
+                        f"job lost with {job.losses} workers in a row (last: {worker.info.name}, {reason}); "
                         "limit: max_attempts",
                     ),
                 )
@@ -503,7 +515,7 @@ class Scheduler:
         for entry in reversed(released):
             client = self.clients.get(entry.client)
             if client is not None:
-                client.queue.appendleft(entry.job)  # still in ``queued``; the client is waiting
+                client.queue.appendleft(entry.job)  # still queued in ``jobs``; the client is waiting
 
     def dispatch(self, now: float) -> None:
         """Hand queued jobs to workers with free credits: least loaded worker first, one job
@@ -585,15 +597,12 @@ class Scheduler:
             queue = client.queue
             job = queue.popleft()
             spec = job.spec
-            jid = spec.job_id
-            del client.queued[jid]
+            client.num_queued -= 1
             ticket = job.ticket = next(tickets)
-            job.attempts += 1
             job.dispatched_version = version
             running[ticket] = job
             used += job.cost
             job.worker = identity
-            client.running[jid] = job
             out.append(relay(ticket, spec))
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
@@ -645,7 +654,7 @@ class Scheduler:
         return None
 
     def _dequeue(self, client: ClientState, job: Job) -> Job:
-        del client.queued[job.spec.job_id]
+        client.num_queued -= 1
         self.num_queued -= 1
         return job
 
@@ -663,13 +672,11 @@ class Scheduler:
         Its queue wait is the caller's to observe."""
         ticket = job.ticket = worker.last_pick = next(self._tickets)
         spec = job.spec
-        job.attempts += 1
         job.dispatched_version = worker.weight_version
         worker.running[ticket] = job
         worker.credits_used += job.cost
         identity = worker.identity
         job.worker = identity
-        client.running[spec.job_id] = job
         out = jobs_to.get(identity)
         if out is None:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
@@ -701,7 +708,7 @@ class Scheduler:
             )
             for w in self.workers.values()
         ]
-        clients = [p.ClientStatus(c.name, len(c.queued), len(c.running)) for c in self.clients.values()]
+        clients = [p.ClientStatus(c.name, c.num_queued, len(c.jobs) - c.num_queued) for c in self.clients.values()]
         running = sum(len(w.running) for w in self.workers.values())
         st = self.stats
         totals = p.JobTotals(st.submitted, st.completed, st.failed, st.cancelled, st.requeued)

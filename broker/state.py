@@ -11,14 +11,20 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from zmq_rollout import protocol as p
 
 WorkerId = bytes
 ClientId = bytes
 
 
-@dataclass(eq=False, slots=True)
-class Job:
+class Job(msgspec.Struct, gc=False, eq=False):
+    """One job as the broker keeps it. A msgspec Struct, not a dataclass: one is made per job
+    submitted, and a Struct is made in C (68 ns against a slotted dataclass's 188 ns). Compared
+    by identity (``eq=False``), as the dataclass was; no garbage-collector tracking (``gc=False``):
+    a job refers to no object that refers back to it."""
+
     client: ClientId
     spec: p.JobSpec | p.JobRelay
     submitted_at: float
@@ -26,10 +32,13 @@ class Job:
     """Credits it occupies on a worker while it runs: its ``sampling.n``."""
     ticket: int = 0
     worker: WorkerId = b""
-    """The worker it runs on, under ``ticket``, while it is in its client's ``running``."""
+    """The worker it runs on, under ``ticket``; ``b""`` while it is queued."""
     dispatched_version: int = 0
     """Its worker's weight version when dispatched: a result of another version crossed a sync."""
-    attempts: int = 0
+    losses: int = 0
+    """Workers lost while it ran on them: it fails once they reach ``max_attempts``. Counted at
+    each loss, not at each dispatch (a restart for staleness is no loss; the hot path, dispatch,
+    writes one field less)."""
     restarts: int = 0
     """Times it ran again because it finished too stale (``JobSpec.max_staleness``)."""
     cancelled: bool = False
@@ -41,14 +50,28 @@ class ClientState:
     name: str
     last_seen: float
     queue: deque[Job] = field(default_factory=deque)
-    queued: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, still in ``queue``
-    running: dict[str, Job] = field(default_factory=dict)  # job_id -> Job, on ``job.worker`` under ``job.ticket``
+    jobs: dict[str, Job] = field(default_factory=dict)
+    """job_id -> Job, each of its jobs here: queued (in ``queue``, or held for its session's
+    worker; ``job.worker`` is ``b""``) or running (on ``job.worker`` under ``job.ticket``). One
+    dict, not one per state: a dispatch moves no entry."""
+    num_queued: int = 0
+    """How many of ``jobs`` are queued."""
     since: float = 0.0
     """When this broker first heard of it (this session)."""
     finished: set[str] | None = None
     """Ids of its jobs answered in its first ``client_expiry_s`` here (then None): a client that
     notices a restart sends its unfinished jobs again, at its first heartbeat reply, and one it
     sent while the old broker was down may have finished here already."""
+
+    @property
+    def queued(self) -> dict[str, Job]:
+        """Its queued jobs by id (built on each call: status, metrics, tests)."""
+        return {jid: job for jid, job in self.jobs.items() if not job.worker}
+
+    @property
+    def running(self) -> dict[str, Job]:
+        """Its running jobs by id (built on each call: status, metrics, tests)."""
+        return {jid: job for jid, job in self.jobs.items() if job.worker}
 
 
 @dataclass(eq=False, slots=True)

@@ -516,6 +516,10 @@ class Sim:
         assert set(queued).isdisjoint(running)
         assert sorted(queued + running) == sorted(j for j in self.jobs if not self.ended[j])
         assert s.num_queued == len(queued)
+        for c in s.clients.values():  # each client's counts, kept by the scheduler as it goes
+            assert c.num_queued == len(c.queued)
+            on_workers = [j for w in s.workers.values() for j in w.running.values() if j.client == c.identity]
+            assert set(c.running) == {j.spec.job_id for j in on_workers}
         # No turn is held past its wait; records stay under the cap.
         deadline = s.wake_at()
         assert deadline is None or deadline > self.now

@@ -197,3 +197,26 @@ def test_a_stale_error_keeps_its_place_among_the_finals_of_one_message() -> None
     s.worker_final(W1, [result(tickets[k], 0) for k in "abc"], 1.0)  # type: ignore[misc]
     to_a = [(c, [getattr(item, "key", None) for item in b]) for side, ident, c, b in s.outbox.take() if ident == A]
     assert to_a == [(p.FINAL, ["a"]), (p.ERROR, ["b"]), (p.FINAL, ["c"])]
+
+
+def test_restarts_for_staleness_are_no_lost_attempts_toward_max_attempts(wire: Any) -> None:
+    """``max_attempts`` counts the workers a job was lost with; running again because it finished
+    too stale is none of them."""
+    s = make(heartbeat_interval_s=1.0, worker_liveness=1, max_attempts=2, max_stale_restarts=5)
+    ticket = dispatched(s, job(max_staleness=0, on_stale="restart"))
+    for version in (1, 2):  # two restarts: each result a version behind the fleet
+        committed(s, version)
+        s.worker_final(W1, wire([result(ticket, version - 1)]), 1.0)
+        (again,) = sent_to(s.outbox.take(), WORKER, p.JOBS)
+        ticket = again.ticket
+    assert s.stats.stale_restarted == 2
+    s.tick(3.0)  # W1 expires with the job on it: its first loss, so it is queued again
+    assert s.stats.requeued == 1 and s.stats.failed == 0 and s.num_queued == 1
+    w2 = b"worker-2"
+    s.worker_ready(w2, p.WorkerInfo("worker-2", "tiny", 4, 2), 3.0)
+    (moved,) = sent_to(s.outbox.take(), WORKER, p.JOBS)
+    assert moved.job.job_id == "j"
+    s.tick(5.0)  # W2 expires too: the second loss is max_attempts
+    (error,) = sent_to(s.outbox.take(), CLIENT, p.ERROR)
+    assert (error.key, error.code) == ("j", "job_failed") and "lost with 2 workers" in error.message
+    assert s.stats.failed == 1 and s.clients[A].jobs == {} and s.clients[A].num_queued == 0
