@@ -256,12 +256,11 @@ class Scheduler:
         if worker is None:
             return
         fleet = self.sync.fleet_version
-        finals: dict[ClientId, list[Any]] = {}  # FINAL lists per client, while nothing else goes to one
+        # Per client of this message's results (dispatch gives a worker the clients' jobs in
+        # turn, so the client changes from one result to the next): its state, its answered ids
+        # while it is young (``_answered``) and its FINAL list, while nothing else goes to it.
+        parts: dict[ClientId, tuple[ClientState | None, set[str] | None, list[Any]]] = {}
         running_here, clients, outbox, relay = worker.running, self.clients, self.outbox, p.ResultRelay
-        last: ClientId | None = None  # the client of the result before (a FINAL's results come in runs)
-        client: ClientState | None = None
-        remember: set[str] | None = None  # its answered ids, while it is young (``_answered``)
-        out: list[Any] = []
         # The metrics per block (``staleness.py``): each distinct submission time's latency once;
         # samples of the fleet's version counted at once; a result that crossed a sync, alone.
         submitted: dict[float, int] = {}
@@ -274,19 +273,18 @@ class Scheduler:
                 continue
             spec = job.spec
             if spec.max_staleness is not None:
-                finals.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
-                last = None
+                parts.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
                 if self._taken_too_stale(worker, job, result, fleet, now):
                     continue
             cost = job.cost
             freed += cost  # ``worker.credits_used``, less, once after the loop
             jid = spec.job_id
-            if job.client != last:
-                last = job.client
-                client = clients.get(last)
+            part = parts.get(job.client)
+            if part is None:
+                client = clients.get(job.client)
                 remember = None if client is None else client.finished
-                found = finals.get(last)
-                out = finals[last] = outbox.items_to(CLIENT, last, p.FINAL) if found is None else found
+                part = parts[job.client] = (client, remember, outbox.items_to(CLIENT, job.client, p.FINAL))
+            client, remember, out = part
             if client is not None:
                 client.jobs.pop(jid, None)
                 if remember is not None and len(remember) < MAX_REMEMBERED:
