@@ -590,9 +590,9 @@ class Scheduler:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
             worker.jobs_sent_at = now
         relay = p.AssignmentRelay
-        taken, used = 0, worker.credits_used
+        used, first = worker.credits_used, len(out)
+        queue = client.queue
         while True:  # each job as ``_dequeue`` and ``_assign`` do it, inline
-            queue = client.queue
             job = queue.popleft()
             spec = job.spec
             client.num_queued -= 1
@@ -604,7 +604,6 @@ class Scheduler:
             out.append(relay(ticket, spec))
             at = job.submitted_at
             submitted[at] = submitted.get(at, 0) + 1
-            taken += 1
             if queue:
                 waiting.append(client)
             if used >= credits or not waiting:
@@ -613,19 +612,21 @@ class Scheduler:
                 break
             client = waiting[0]
             queue = client.queue
-            head = queue[0] if queue else None
+            if not queue:
+                break
+            head = queue[0]
+            spec = head.spec
             if (
-                head is None
-                or head.cancelled
-                or head.spec.session_id is not None
+                head.cancelled
+                or spec.session_id is not None
                 or client.identity in held
                 or head.cost > credits - used
-                or head.spec.min_weight_version > version
+                or spec.min_weight_version > version
             ):
                 break
             waiting.popleft()
         worker.credits_used, worker.last_pick = used, ticket
-        self.num_queued -= taken
+        self.num_queued -= len(out) - first
         self._heap.offer_next(worker, len(self.workers))  # kept for the next pick (dispatch_heap.py)
 
     def _next(self, client: ClientState, heap: Heap, now: float) -> tuple[Job, WorkerState] | None:
