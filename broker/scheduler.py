@@ -30,7 +30,17 @@ from .affinity import Affinity, Held, fits
 from .dispatch_heap import DispatchHeap, Heap
 from .outbox import CLIENT, WORKER, Outbox
 from .staleness import observe_crossing, oldest_version
-from .state import ClientId, ClientState, Job, WorkerId, WorkerState, peer_name
+from .state import (
+    ClientId,
+    ClientState,
+    Job,
+    Submission,
+    WorkerId,
+    WorkerState,
+    peer_name,
+    tally_finished,
+    tally_taken,
+)
 from .stats import BrokerStats
 from .sync import SyncCoordinator
 
@@ -81,7 +91,7 @@ class Scheduler:
         accepted: list[str] = []
         new = 0
         cfg = self.config
-        queue, jobs_here = client.queue, client.jobs
+        queue, jobs_here, submission = client.queue, client.jobs, Submission(now)
         idle = not queue and not self.affinity.holds(identity)  # not in ``_waiting``
         room = min(cfg.max_queue_per_client - client.num_queued, cfg.max_queue_total - self.num_queued)
         for spec in jobs:
@@ -109,7 +119,7 @@ class Scheduler:
                 )
                 self.stats.rejected_busy += 1
             else:  # queued (as ``_enqueue``, its turn in ``_waiting`` taken once below)
-                jobs_here[jid] = job = Job(identity, spec, now, spec.cost())
+                jobs_here[jid] = job = Job(identity, spec, submission, spec.cost())
                 queue.append(job)
                 if spec.ack:
                     accepted.append(jid)
@@ -261,9 +271,9 @@ class Scheduler:
         # while it is young (``_answered``) and its FINAL list, while nothing else goes to it.
         parts: dict[ClientId, tuple[ClientState | None, set[str] | None, list[Any]]] = {}
         running_here, clients, outbox, relay = worker.running, self.clients, self.outbox, p.ResultRelay
-        # The metrics per block (``staleness.py``): each distinct submission time's latency once;
+        # The metrics per block (``staleness.py``): each submission's latency once (``tally``);
         # samples of the fleet's version counted at once; a result that crossed a sync, alone.
-        submitted: dict[float, int] = {}
+        finished: list[Submission] = []
         fresh = done = freed = 0
         for result in results:
             ticket: Any = result.key
@@ -294,7 +304,12 @@ class Scheduler:
                 out.append(result)
             else:
                 out.append(result.to_client(jid))
-            submitted[job.submitted_at] = submitted.get(job.submitted_at, 0) + 1
+            sub = job.submission
+            if sub.finished:
+                sub.finished += 1
+            else:
+                sub.finished = 1
+                finished.append(sub)
             if result.weight_version == job.dispatched_version >= fleet:  # the usual: the fleet's version
                 fresh += cost
             else:
@@ -302,7 +317,7 @@ class Scheduler:
             done += 1
         if done:
             worker.credits_used -= freed
-            self._done(worker, done, submitted, fresh, now)
+            self._done(worker, done, finished, fresh, now)
         self.dispatch_soon(now)
 
     def _observe_version(self, job: Job, result: AnyResult, fleet: int) -> None:
@@ -314,16 +329,15 @@ class Scheduler:
         else:
             self.stats.staleness.observe_many(fleet - version, job.cost)
 
-    def _done(self, worker: WorkerState, done: int, submitted: dict[float, int], fresh: int, now: float) -> None:
+    def _done(self, worker: WorkerState, done: int, finished: list[Submission], fresh: int, now: float) -> None:
         """After one FINAL: ``worker``'s place on the dispatch heap for its new load, once, and the
-        metrics per block: ``done`` jobs finished, ``submitted`` of them per submission time (one
-        latency each), ``fresh`` samples of the fleet's version."""
+        metrics per block: ``done`` jobs finished, of ``finished`` submissions (one latency each,
+        ``tally_finished``), ``fresh`` samples of the fleet's version."""
         self._offer(worker)
         stats = self.stats
         if fresh:
             stats.staleness.observe_many(0, fresh)
-        for at, n in submitted.items():
-            stats.job_latency.observe_many(now - at, n)
+        tally_finished(finished, now, stats.job_latency)
         stats.completed += done
         tally = stats.workers.get(worker.info.name)
         if tally is not None:
@@ -530,7 +544,7 @@ class Scheduler:
         held = self.affinity.held_clients
         pick = dispatch_heap.pick
         jobs_to: dict[WorkerId, list[p.AssignmentRelay]] = {}  # this pass's JOBS, per worker
-        submitted: dict[float, int] = {}  # jobs dispatched per submission time (one queue wait each)
+        taken: list[Submission] = []  # the submissions of the jobs this pass took (one queue wait each)
         while waiting and (heap or dispatch_heap.kept):
             client = waiting.popleft()
             queue = client.queue
@@ -551,18 +565,20 @@ class Scheduler:
                 if heap and dispatch_heap.step == 1:  # least loaded first: the next job likely goes elsewhere
                     job, worker = self._dequeue(client, queue.popleft()), found_worker
                 else:  # packing, or the only worker: a run of jobs for it
-                    self._run(found_worker, client, heap, now, jobs_to, submitted)
+                    self._run(found_worker, client, heap, now, jobs_to, taken)
                     continue
             self._assign(worker, client, job, now, jobs_to)  # its new entry is kept for the next pick
-            at = job.submitted_at
-            submitted[at] = submitted.get(at, 0) + 1
+            sub = job.submission
+            if sub.taken:
+                sub.taken += 1
+            else:
+                sub.taken = 1
+                taken.append(sub)
             if client.queue or client.identity in held:
                 waiting.append(client)
         dispatch_heap.settle()
         waiting.extendleft(reversed(blocked))
-        wait = self.stats.queue_wait
-        for at, n in submitted.items():
-            wait.observe_many(now - at, n)
+        tally_taken(taken, now, self.stats.queue_wait)
 
     def _run(
         self,
@@ -571,7 +587,7 @@ class Scheduler:
         heap: Heap,
         now: float,
         jobs_to: dict[WorkerId, list[Any]],
-        submitted: dict[float, int],
+        taken: list[Submission],
     ) -> None:
         """Give ``worker`` ``client``'s head job, then the next waiting clients' heads in turn
         for as long as ``pick`` would pick ``worker`` again for them: it still comes first in
@@ -602,8 +618,12 @@ class Scheduler:
             used += job.cost
             job.worker = identity
             out.append(relay(ticket, spec))
-            at = job.submitted_at
-            submitted[at] = submitted.get(at, 0) + 1
+            sub = job.submission
+            if sub.taken:
+                sub.taken += 1
+            else:
+                sub.taken = 1
+                taken.append(sub)
             if queue:
                 waiting.append(client)
             if used >= credits or not waiting:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -17,6 +18,34 @@ from zmq_rollout import protocol as p
 
 WorkerId = bytes
 ClientId = bytes
+
+
+class Submission:
+    """What the jobs of one SUBMIT share: when it came (``at``), and how many of them the dispatch
+    pass under way took and the FINAL being read finished. Those counts let each pass and each
+    FINAL observe the queue wait and the latency once per submission time, not once per job
+    (``tally``): a job bumps its submission's count, and the first bump lists the submission."""
+
+    __slots__ = ("at", "finished", "taken")
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.taken = 0
+        self.finished = 0
+
+
+def tally_taken(submissions: list[Submission], now: float, histogram: Any) -> None:
+    """Observe ``now - at`` for each job of ``submissions`` a dispatch pass took; zero the counts."""
+    for sub in submissions:
+        histogram.observe_many(now - sub.at, sub.taken)
+        sub.taken = 0
+
+
+def tally_finished(submissions: list[Submission], now: float, histogram: Any) -> None:
+    """Observe ``now - at`` for each job of ``submissions`` a FINAL finished; zero the counts."""
+    for sub in submissions:
+        histogram.observe_many(now - sub.at, sub.finished)
+        sub.finished = 0
 
 
 class Job(msgspec.Struct, gc=False, eq=False):
@@ -27,7 +56,8 @@ class Job(msgspec.Struct, gc=False, eq=False):
 
     client: ClientId
     spec: p.JobSpec | p.JobRelay
-    submitted_at: float
+    submission: Submission
+    """Its SUBMIT's: when it came (``submission.at``)."""
     cost: int
     """Credits it occupies on a worker while it runs: its ``sampling.n``."""
     ticket: int = 0

@@ -25,10 +25,12 @@ class OnePickPerJob(Scheduler):
     """The reference: a plain turn assigns its head job alone, as ``dispatch`` did before runs."""
 
     def _run(self, worker: WorkerState, client: ClientState, *rest: Any) -> None:
-        _heap, now, jobs_to, submitted = rest  # as Scheduler._run's
+        _heap, now, jobs_to, taken = rest  # as Scheduler._run's
         job = self._dequeue(client, client.queue.popleft())
         self._assign(worker, client, job, now, jobs_to)
-        submitted[job.submitted_at] = submitted.get(job.submitted_at, 0) + 1
+        if not job.submission.taken:
+            taken.append(job.submission)
+        job.submission.taken += 1
         if client.queue:
             self._waiting.append(client)
 

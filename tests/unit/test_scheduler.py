@@ -909,3 +909,31 @@ def test_spreading_again_after_packing() -> None:
     s.submit(A, jobs("a", 4), now=0.0)
     sent = s.outbox.take()
     assert len(assigned(sent, W1)) == len(assigned(sent, W2)) == 2
+
+
+def test_queue_wait_and_latency_are_each_jobs_own_over_passes_and_finals_of_interleaved_submissions() -> None:
+    """The metrics count per submission, not per job (``state.Submission``): each dispatch pass
+    and each FINAL still observe every job's own wait and latency, across clients in turn and
+    submissions split over several passes and FINALs, and nothing carries over to the next."""
+    s = make()
+    submitted_at = {"a0": 0.0, "a1": 0.0, "a2": 0.0, "a3": 0.0, "b0": 0.5, "b1": 0.5, "a9": 1.0}
+    s.submit(A, jobs("a", 4), now=0.0)
+    s.submit(B, jobs("b", 2), now=0.5)
+    s.submit(A, [job("a9")], now=1.0)
+    ready(s, W1, 3, now=1.5)  # room for 3 of the 7 jobs: the rest wait for results
+    waits, latencies, now = [], [], 1.5
+    running = assigned(s.outbox.take(), W1)
+    assert {a.job.job_id[0] for a in running} == {"a", "b"}  # the clients in turn
+    waits += [now - submitted_at[a.job.job_id] for a in running]
+    while running:  # finish two (or the last) at a time; what they free goes out at once
+        now += 1.0
+        done, running = running[:2], running[2:]
+        finish(s, W1, done, now=now)
+        latencies += [now - submitted_at[a.job.job_id] for a in done]
+        more = assigned(s.outbox.take(), W1)
+        waits += [now - submitted_at[a.job.job_id] for a in more]
+        running += more
+    wait, latency = s.stats.queue_wait, s.stats.job_latency
+    assert len(waits) == len(latencies) == 7 and s.stats.completed == 7
+    assert wait.count == 7 and wait.total == pytest.approx(sum(waits))
+    assert latency.count == 7 and latency.total == pytest.approx(sum(latencies))
