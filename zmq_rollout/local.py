@@ -246,11 +246,18 @@ class LocalCluster:
         return self._metrics_port
 
     def start(self, wait_s: float = 300.0) -> LocalCluster:
-        self._start_broker(self.broker_config)
-        self._client = RolloutClient(self.address, name="local-cluster")
-        for i in range(self.num_workers):
-            self.start_worker(f"worker-{i}")
-        self.wait_for_workers(self.num_workers, wait_s)
+        """Start the broker and the workers; wait until every worker registered. If any of it
+        fails, what did start is stopped before the error goes on: no worker (each in a session
+        of its own) or broker process outlives a failed start (``with`` calls no ``stop`` then)."""
+        try:
+            self._start_broker(self.broker_config)
+            self._client = RolloutClient(self.address, name="local-cluster")
+            for i in range(self.num_workers):
+                self.start_worker(f"worker-{i}")
+            self.wait_for_workers(self.num_workers, wait_s)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def restart_broker(self) -> None:

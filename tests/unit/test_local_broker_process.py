@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -14,6 +16,7 @@ import pytest
 from helpers import scrape
 
 from zmq_rollout.config import BrokerConfig
+from zmq_rollout.errors import RolloutTimeoutError
 from zmq_rollout.local import LocalCluster
 
 
@@ -59,3 +62,27 @@ def test_a_broker_process_that_cannot_bind_says_why(tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match=r"(?s)the broker process exited with code 1 before it served:.*in use"):
             cluster.start()
         assert cluster.broker_proc is None
+
+
+def test_a_failed_start_stops_the_workers_and_the_broker_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``with LocalCluster(...)`` calls no ``stop`` when ``start`` raises: ``start`` itself
+    stops what it started, or a worker (a session of its own) and the broker would live on."""
+    cluster = LocalCluster("unused-model", log_dir=str(tmp_path), broker_process=True)
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start_worker(name: str, **_: object) -> subprocess.Popen[bytes]:  # a worker that never registers
+        assert cluster.broker_proc is not None
+        started.append(cluster.broker_proc)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        cluster.workers[name] = proc
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(cluster, "start_worker", start_worker)
+    with pytest.raises(RolloutTimeoutError, match="0 of 1 workers registered"):
+        cluster.start(wait_s=0.5)
+    broker, worker = started
+    assert broker.poll() is not None and worker.poll() is not None  # both ended, not left behind
+    assert cluster.broker_proc is None
