@@ -167,9 +167,11 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
         llm = AsyncLLM.from_engine_args(engine_args(cfg))
         direct_startup = time.monotonic() - started
         log(f"pairs: direct AsyncLLM up in {direct_startup:.1f} s (vLLM {vllm.__version__})")
-        broker = cluster.broker._thread if cluster.broker is not None else cluster.broker_proc
-        assert broker is not None
-        cpu = Cpu(cluster.workers["worker-0"].pid, broker if isinstance(broker, threading.Thread) else broker.pid)
+        if cluster.broker is not None:
+            cpu = Cpu(cluster.workers["worker-0"].pid, cluster.broker._thread)
+        else:
+            assert cluster.broker_proc is not None
+            cpu = Cpu(cluster.workers["worker-0"].pid, cluster.broker_proc.pid)
         pinned = pin_all(cpu) if args.pin else {}
         log(f"pairs: pinned {pinned}" if pinned else "pairs: not pinned")
         work = batches(args)

@@ -95,12 +95,14 @@ class ClientState:
 
     @property
     def queued(self) -> dict[str, Job]:
-        """Its queued jobs by id (built on each call: status, metrics, tests)."""
+        """Its queued jobs by id, built on each call from ``jobs`` (tests and debugging; the scheduler
+        keeps ``num_queued`` and reads ``jobs`` itself)."""
         return {jid: job for jid, job in self.jobs.items() if not job.worker}
 
     @property
     def running(self) -> dict[str, Job]:
-        """Its running jobs by id (built on each call: status, metrics, tests)."""
+        """Its running jobs by id, built on each call from ``jobs`` (tests and debugging; the scheduler
+        keeps ``num_queued`` and reads ``jobs`` itself)."""
         return {jid: job for jid, job in self.jobs.items() if job.worker}
 
 

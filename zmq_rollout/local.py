@@ -67,6 +67,8 @@ def wait_until_free(addresses: list[str], timeout_s: float) -> None:
             time.sleep(0.01)
 
 
+BROKER_START_S = 60.0
+"""How long a broker process may take to serve (imports and binding take about a second)."""
 BROKER_UP = re.compile(rb"broker up: frontend (\S+), backend (\S+), metrics port (\S+)")
 """The line a broker logs once it is bound and serving (``Broker.run``)."""
 
@@ -177,7 +179,6 @@ class LocalCluster:
         """The broker's thread (None with ``broker_process``: see ``broker_proc``)."""
         self.broker_proc: subprocess.Popen[bytes] | None = None
         """The broker's process, with ``broker_process``."""
-        self._broker_started = False
         self._broker_output: BrokerOutput | None = None
         self._metrics_port: int | None = None
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
@@ -186,14 +187,19 @@ class LocalCluster:
         self._endpoints = ("", "")
 
     @property
+    def _serving(self) -> bool:
+        """Whether a broker (its thread or its process) was started and not stopped."""
+        return self.broker is not None or self.broker_proc is not None
+
+    @property
     def address(self) -> str:
         """The broker's frontend (clients connect here)."""
-        assert self._broker_started, "start() first"
+        assert self._serving, "start() first"
         return self._endpoints[0]
 
-    def _start_broker(self, config: BrokerConfig, wait_s: float = 60.0) -> None:
+    def _start_broker(self, config: BrokerConfig) -> None:
         if self.broker_process:
-            self._start_broker_process(config, wait_s)
+            self._start_broker_process(config)
             return
         from zmq_rollout.broker.server import BrokerThread
 
@@ -202,9 +208,8 @@ class LocalCluster:
         self._endpoints = (thread.broker.frontend_address, thread.broker.backend_address)
         self._metrics_port = thread.broker.metrics_port
         self.broker = thread.__enter__()
-        self._broker_started = True
 
-    def _start_broker_process(self, config: BrokerConfig, wait_s: float) -> None:
+    def _start_broker_process(self, config: BrokerConfig) -> None:
         from zmq_rollout.settings import to_argv
 
         log: IO[bytes] | None = None
@@ -215,12 +220,11 @@ class LocalCluster:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         self.broker_proc, self._broker_output = proc, BrokerOutput(proc, log)
         try:
-            frontend, backend, self._metrics_port = self._broker_output.wait_up(wait_s)
+            frontend, backend, self._metrics_port = self._broker_output.wait_up(BROKER_START_S)
         except (RuntimeError, RolloutTimeoutError):
             self._stop_broker()
             raise
         self._endpoints = (frontend, backend)
-        self._broker_started = True
 
     def _stop_broker(self) -> None:
         if self.broker is not None:
@@ -237,12 +241,11 @@ class LocalCluster:
                 proc.wait()
             if self._broker_output is not None:
                 self._broker_output.join()  # its last lines are in its log before the log closes
-        self._broker_started = False
 
     @property
     def metrics_port(self) -> int | None:
         """The broker's ``/metrics`` port, if ``broker_config.metrics_port`` asked for one."""
-        assert self._broker_started, "start() first"
+        assert self._serving, "start() first"
         return self._metrics_port
 
     def start(self, wait_s: float = 300.0) -> LocalCluster:
@@ -263,7 +266,7 @@ class LocalCluster:
     def restart_broker(self) -> None:
         """Stop the broker (its queues are lost, as when its process dies) and start a new one
         on the same addresses; clients and workers find it by themselves."""
-        assert self._broker_started, "start() first"
+        assert self._serving, "start() first"
         frontend, backend = self._endpoints
         self._stop_broker()
         wait_until_free([frontend, backend], 10.0)
@@ -274,7 +277,7 @@ class LocalCluster:
         e.g. its own ``metrics_port``, or ``gpus="0,1"`` for one process of two engines)."""
         from zmq_rollout.workers.main import worker_command
 
-        assert self._broker_started, "start() first"
+        assert self._serving, "start() first"
         settings = {**self.worker_overrides, **overrides}
         config = WorkerConfig(broker=self._endpoints[1], model=self.model, name=name, **settings)
         out: Any = subprocess.DEVNULL
