@@ -219,13 +219,7 @@ class Broker:
                 if stalled > interval + 1:  # this thread got no CPU: peers were not silent
                     log.warning("broker loop stalled for %.1f s", stalled)
                     self.scheduler.excuse(stalled)
-                if self.backend in ready:
-                    self._read(self.backend, self._on_worker, now)
-                if self.frontend in ready:
-                    self._read(self.frontend, self._on_client, now)
-                for monitor in self._monitors:
-                    if monitor in ready:
-                        self._read_handshakes(monitor, now)
+                self._serve(ready, now)
                 if now >= next_tick:
                     self.tick(now)
                     next_tick = now + interval
@@ -237,6 +231,20 @@ class Broker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _serve(self, ready: dict[Any, int], now: float) -> None:
+        """Read what ``ready`` says waits: the workers' messages first, and what they answered
+        or freed sent at once (results to their clients; freed credits filled from the queues)
+        before the clients' messages are read. A client that waits for results to submit more
+        gets them a pass sooner (benchmarks/README.md: 2-6% more jobs/s batched, 6% unbatched)."""
+        if self.backend in ready:
+            self._read(self.backend, self._on_worker, now)
+            self._flush(now)
+        if self.frontend in ready:
+            self._read(self.frontend, self._on_client, now)
+        for monitor in self._monitors:
+            if monitor in ready:
+                self._read_handshakes(monitor, now)
 
     def tick(self, now: float) -> None:
         """Once per heartbeat interval: the scheduler's expiry and heartbeats, and whether to
