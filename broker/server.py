@@ -1,7 +1,8 @@
 """The broker's socket loop: two ROUTER sockets around the pure ``Scheduler``.
 
 Each pass reads every message already waiting on both sockets (up to a bound), feeds them to
-the scheduler, then sends what its outbox holds, one message per peer and command. Bad
+the scheduler, and sends what its outbox holds, one message per peer and command: once after
+the workers' messages, once after the clients'. Bad
 input is answered and counted here and never reaches the scheduler. Each peer is answered in
 the form (split or packed, ``codec``) of the last message it sent.
 """
