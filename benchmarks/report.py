@@ -42,6 +42,22 @@ def harness_ceiling(row: dict[str, Any], cores: int) -> tuple[float, float] | No
     return (doubles_us, cores * 1e6 / doubles_us) if doubles_us > 0 else None
 
 
+def jobs_in_flight(row: dict[str, Any]) -> int:
+    """The jobs a case keeps in flight: its clients times the messages each keeps in flight
+    times the jobs a message carries (the HTTP baseline: one client, 64 POSTs)."""
+    return int(row["clients"] * row["messages_in_flight_per_client"] * row["jobs_per_message"])
+
+
+def in_flight_note(best: dict[str, Any] | None, http: dict[str, Any] | None) -> str:
+    """How the 3x comparison's two cases differ in jobs in flight, when they do."""
+    if not best or not http or jobs_in_flight(best) == jobs_in_flight(http):
+        return ""
+    return (
+        f"; jobs in flight: {jobs_in_flight(best):,} in {best['case']}, {jobs_in_flight(http):,} over HTTP "
+        f"(--batch-window sets the broker's)"
+    )
+
+
 def percentile_us(samples: list[int], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000
@@ -218,7 +234,8 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
     vs_http = ratios["broker_batched_best/http_batched"]
     print(
         f"  broker batched >= {GOAL_BATCHED_VS_HTTP:.0f}x the HTTP endpoint's batched rate: "
-        f"{verdict[goals['batched_ge_3x_http']]} ({'n/a' if vs_http is None else f'{vs_http:.2f}x'})"
+        f"{verdict[goals['batched_ge_3x_http']]} ({'n/a' if vs_http is None else f'{vs_http:.2f}x'}"
+        f"{in_flight_note(best_batched, http_batched)})"
     )
     us = f"{best_batched['server_cpu_us_per_job']} us" if best_batched else "n/a"
     print(

@@ -33,3 +33,17 @@ def test_a_window_below_one_is_refused_before_anything_starts() -> None:
     )
     assert run.returncode == 2
     assert "--batch-window 0: at least 1 SUBMIT in flight per client" in run.stderr
+
+
+def test_the_3x_line_names_the_jobs_in_flight_of_both_cases_when_they_differ() -> None:
+    from report import in_flight_note, jobs_in_flight
+
+    def row(case: str, clients: int, window: int, batch: int) -> dict[str, object]:
+        return {"case": case, "clients": clients, "messages_in_flight_per_client": window, "jobs_per_message": batch}
+
+    best, http = row("broker 8c x 64w batched", 8, BATCH_WINDOW, BATCH), row("HTTP 1c x server batched", 1, 64, BATCH)
+    assert jobs_in_flight(best) == 8 * BATCH_WINDOW * BATCH and jobs_in_flight(http) == 64 * BATCH
+    note = in_flight_note(best, http)
+    assert f"{8 * BATCH_WINDOW * BATCH:,} in broker 8c x 64w batched" in note and f"{64 * BATCH:,} over HTTP" in note
+    assert in_flight_note(row("broker 8c x 64w batched", 8, 8, BATCH), http) == ""  # equal: nothing to say
+    assert in_flight_note(None, http) == ""
