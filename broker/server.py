@@ -237,7 +237,8 @@ class Broker:
         """Read what ``ready`` says waits: the workers' messages first, and what they answered
         or freed sent at once (results to their clients; freed credits filled from the queues)
         before the clients' messages are read. A client that waits for results to submit more
-        gets them a pass sooner (benchmarks/README.md: 2-4% more jobs/s batched with 8 clients, 6% unbatched)."""
+        gets them a pass sooner (benchmarks/README.md: 2-4% more jobs/s batched with 8 clients,
+        6% unbatched)."""
         if self.backend in ready:
             self._read(self.backend, self._on_worker, now)
             self._flush(now)
