@@ -725,7 +725,7 @@ def test_a_final_of_clients_in_turn_answers_each_its_own_in_order() -> None:
 def test_the_answered_jobs_remembered_per_client_stop_at_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ids a young client's answered jobs are remembered by (for resubmissions) stop growing
     at MAX_REMEMBERED, whether its results come in one FINAL or in several."""
-    monkeypatch.setattr("zmq_rollout.broker.scheduler.MAX_REMEMBERED", 3)
+    monkeypatch.setattr("zmq_rollout.broker.results.MAX_REMEMBERED", 3)
     s = make(client_expiry_s=10.0)
     ready(s, W1, 8)
     s.submit(A, jobs("a", 5), now=0.0)
