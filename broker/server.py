@@ -9,9 +9,7 @@ of the last message it sent.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -23,19 +21,11 @@ import zmq
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
-from zmq_rollout.curve import (
-    HANDSHAKE_EVENTS,
-    AllowList,
-    Keypair,
-    ZapHandler,
-    handshake_failure,
-    monitor_socket,
-    serve_with_curve,
-)
-from zmq_rollout.errors import ConfigError, ProtocolError
+from zmq_rollout.errors import ProtocolError
 from zmq_rollout.gc_pauses import settle_heap
 
 from .busy_poll import BusyPoll, IdleCores, JobsPerMessage, busy_poll_s
+from .curve_ports import CurvePorts
 from .heap_keep import heap_keep_mib, keep_freed_memory
 from .outbox import CLIENT, WORKER
 from .own_process import owns_process
@@ -95,12 +85,9 @@ class Broker:
         self.scheduler.defer_dispatch = True  # dispatched once per loop pass, in _flush
         self.epoch = uuid.uuid4().hex[:12]
         """This broker process's id in heartbeat replies: a client that sees it change resubmits."""
-        self._own_ctx: zmq.Context[Any] | None = None
-        self._zap: ZapHandler | None = None
-        self._keypair = self._curve_setup(context)
-        self._ctx = context or self._own_ctx or zmq.Context.instance()
-        self._monitors: dict[zmq.Socket[Any], str] = {}
-        self._auth_logged: dict[tuple[str, str], float] = {}
+        self._curve = CurvePorts.setup(self.config, context, self.scheduler.stats)
+        """Keys on both ports (``curve_ports.py``); None: the ports are open."""
+        self._ctx = self._curve.context if self._curve is not None else context or zmq.Context.instance()
         self._sockets: list[zmq.Socket[Any]] = []
         try:
             self.frontend = self._router(self.config.frontend, "frontend")
@@ -108,7 +95,7 @@ class Broker:
         except BaseException:  # an address in use, say: leave no socket, thread or context behind
             self._release()
             raise
-        if self._keypair is None:
+        if self._curve is None:
             log.warning(
                 "no CurveZMQ keys: the broker's ports (%s, %s) accept any peer, unencrypted "
                 "(set curve_secret_key and allow_keys to require keys; docs/security.md)",
@@ -131,24 +118,6 @@ class Broker:
 
             self._metrics_server = serve_metrics(self.scheduler, self.config.metrics_port, self.config.metrics_host)
 
-    def _curve_setup(self, context: zmq.Context[Any] | None) -> Keypair | None:
-        """The broker's keypair and a ZAP handler on its context, if keys are configured."""
-        cfg = self.config
-        if not (cfg.curve_secret_key or cfg.allow_keys):
-            return None
-        if not (cfg.curve_secret_key and cfg.allow_keys):
-            raise ConfigError("BrokerConfig: set both curve_secret_key and allow_keys, or neither")
-        keypair = Keypair.load(cfg.curve_secret_key, "curve_secret_key")
-        allow = AllowList(cfg.allow_keys)
-        if context is None:  # a context has one ZAP handler: the broker gets its own
-            self._own_ctx = zmq.Context()
-        self._zap = ZapHandler(context or self._own_ctx, allow)  # type: ignore[arg-type]
-        self.scheduler.stats.auth_failures.update(
-            {(port, reason): 0 for port in ("frontend", "backend") for reason in ("key_not_allowed", "handshake")}
-        )
-        log.info("CurveZMQ on: %d allowed keys in %s", len(allow.keys), cfg.allow_keys)
-        return keypair
-
     def _router(self, address: str, port: str) -> zmq.Socket[Any]:
         sock = self._ctx.socket(zmq.ROUTER)
         self._sockets.append(sock)
@@ -159,9 +128,8 @@ class Broker:
         # Hard cap: ZeroMQ drops the connection of a peer that sends more than twice the
         # soft limit; up to that, we answer with a clear error.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
-        if self._keypair is not None:
-            serve_with_curve(sock, self._keypair, domain=port)
-            self._monitors[monitor_socket(sock, HANDSHAKE_EVENTS)] = port
+        if self._curve is not None:
+            self._curve.serve(sock, port)
         sock.bind(address)
         return sock
 
@@ -196,7 +164,7 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
-        for monitor in self._monitors:
+        for monitor in self._curve.monitors if self._curve is not None else ():
             poller.register(monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
@@ -244,9 +212,11 @@ class Broker:
             self._flush(now)
         if self.frontend in ready:
             self._read(self.frontend, self._on_client, now)
-        for monitor in self._monitors:
-            if monitor in ready:
-                self._read_handshakes(monitor, now)
+        curve = self._curve
+        if curve is not None:  # failed handshakes, counted
+            for monitor in curve.monitors:
+                if monitor in ready:
+                    curve.read(monitor, now, _READ_BATCH)
 
     def tick(self, now: float) -> None:
         """Once per heartbeat interval: the scheduler's expiry and heartbeats, and whether to
@@ -303,44 +273,14 @@ class Broker:
         log.info("broker stopped")
 
     def _release(self) -> None:
-        """Close the sockets, the monitors, the ZAP handler and an own context."""
+        """Close the sockets, then the Curve monitors, ZAP handler and own context."""
+        curve = self._curve
         for sock in self._sockets:
-            if self._monitors:
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.disable_monitor()
+            if curve is not None:
+                curve.unwatch(sock)
             sock.close(linger=0)
-        for monitor in self._monitors:
-            monitor.close(linger=0)
-        if self._zap is not None:
-            self._zap.close()
-        if self._own_ctx is not None:
-            self._own_ctx.term()
-
-    def _read_handshakes(self, monitor: zmq.Socket[Any], now: float) -> None:
-        """Count failed handshakes (a refused key, a plaintext peer, a wrong broker key); log
-        each kind once a minute per port (the ZAP handler logs each refused key once)."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        port = self._monitors[monitor]
-        for _ in range(_READ_BATCH):
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            reason = handshake_failure(event["event"], event["value"])
-            if reason is None:
-                continue
-            key = (port, reason)
-            failures = self.scheduler.stats.auth_failures
-            failures[key] = failures.get(key, 0) + 1
-            if now - self._auth_logged.get(key, -math.inf) >= 60:
-                self._auth_logged[key] = now
-                log.warning(
-                    "%s: a peer failed the CurveZMQ handshake (%s; %d so far)",
-                    port,
-                    "its key is not allowed" if reason == "key_not_allowed" else "plaintext, or a wrong broker key",
-                    failures[key],
-                )
+        if curve is not None:
+            curve.close()
 
     def _read(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
         """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``, noting
