@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling role mod
 
 import profiling
 import roles
-from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW, percentile_us, report, report_comparison
+from report import BATCH, BATCH_WINDOW, HTTP_WINDOW, SINGLE_WINDOW, percentile_us, report, report_comparison
 
 from zmq_rollout.config import BrokerConfig, WorkerConfig
 
@@ -544,16 +544,16 @@ def check_protocol(tree: Tree, args: argparse.Namespace, clients: dict[str, Any]
     return f"{tree.label}: protocol {tree.wire['signature']}, {wire}, {len(answered)}/{len(ids)} check jobs answered"
 
 
-def matrix_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
+def matrix_setups(batch_window: int = BATCH_WINDOW, http_window: int = HTTP_WINDOW) -> list[Setup]:
     """The full run's cases: the broker's, with CurveZMQ, the library's, ``zmq.proxy``'s and the
-    HTTP endpoint's (64 POSTs in flight, of 1 or ``BATCH`` requests). ``batch_window``: SUBMITs
-    in flight per client in the batched cases but HTTP's."""
+    HTTP endpoint's (``http_window`` POSTs in flight, of 1 or ``BATCH`` requests). ``batch_window``:
+    SUBMITs in flight per client in the batched cases but HTTP's."""
     windows = ((1, SINGLE_WINDOW), (BATCH, batch_window))
     setups = [Setup("broker", c, w, b, win) for c in (1, 8) for w in (1, 8, 64) for b, win in windows]
     setups += [Setup("curve", c, c, b, win) for c in (1, 8) for b, win in windows]  # CurveZMQ on both ports
     setups.append(Setup("library", 1, 8, BATCH, batch_window))
     setups += [Setup("proxy", c, c, b, win) for c in (1, 8) for b, win in windows]
-    return [*setups, Setup("http", 1, 0, 1, 64), Setup("http", 1, 0, BATCH, 64)]
+    return [*setups, Setup("http", 1, 0, 1, http_window), Setup("http", 1, 0, BATCH, http_window)]
 
 
 def comparison_setups(batch_window: int = BATCH_WINDOW) -> list[Setup]:
@@ -655,6 +655,14 @@ def main() -> None:
         f"8 gives the 8-client cases the HTTP baseline's 4,096 jobs in flight)",
     )
     ap.add_argument(
+        "--http-window",
+        type=int,
+        default=HTTP_WINDOW,
+        metavar="N",
+        help=f"the HTTP baseline: POSTs its client keeps in flight (default {HTTP_WINDOW}; "
+        f"32 gives it the 2,048 jobs in flight of the broker's 8-client batched cases at the default --batch-window)",
+    )
+    ap.add_argument(
         "--doubles",
         choices=["lean", "echo"],
         default="lean",
@@ -739,6 +747,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch_window < 1:
         ap.error(f"--batch-window {args.batch_window}: at least 1 SUBMIT in flight per client")
+    if args.http_window < 1:
+        ap.error(f"--http-window {args.http_window}: at least 1 POST in flight")
     try:
         settings = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.broker_config.split(",") if kv)}
         BrokerConfig(**settings)
@@ -788,7 +798,7 @@ def main() -> None:
         latency[path] = run_latency(path, args)
         print(f"  latency {path:<10} p50 {percentile_us(latency[path], 0.5):7.1f} us", flush=True)
     rows = []
-    for setup in matrix_setups(args.batch_window):
+    for setup in matrix_setups(args.batch_window, args.http_window):
         if not selected(args, setup.name):
             continue
         rows.append(run_throughput(setup, args))

@@ -11,6 +11,7 @@ from typing import Any
 BATCH = 64  # jobs per message in the batched cases
 BATCH_WINDOW = 4  # messages in flight per client, batched
 SINGLE_WINDOW = 64  # messages (= jobs) in flight per client, unbatched
+HTTP_WINDOW = 64  # POSTs the HTTP baseline's one client keeps in flight, of 1 or BATCH requests each
 # Issue 12's goals, all measured in one run.
 GOAL_UNBATCHED_VS_PROXY = 0.5
 GOAL_BATCHED_JOBS_PER_S = 250_000
@@ -44,7 +45,7 @@ def harness_ceiling(row: dict[str, Any], cores: int) -> tuple[float, float] | No
 
 def jobs_in_flight(row: dict[str, Any]) -> int:
     """The jobs a case keeps in flight: its clients times the messages each keeps in flight
-    times the jobs a message carries (the HTTP baseline: one client, 64 POSTs)."""
+    times the jobs a message carries (the HTTP baseline: one client, ``--http-window`` POSTs)."""
     return int(row["clients"] * row["messages_in_flight_per_client"] * row["jobs_per_message"])
 
 
@@ -54,7 +55,7 @@ def in_flight_note(best: dict[str, Any] | None, http: dict[str, Any] | None) -> 
         return ""
     return (
         f"; jobs in flight: {jobs_in_flight(best):,} in {best['case']}, {jobs_in_flight(http):,} over HTTP "
-        f"(--batch-window sets the broker's)"
+        f"(--batch-window sets the broker's, --http-window HTTP's)"
     )
 
 
@@ -114,7 +115,7 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         f"clients: one process each; unbatched = {SINGLE_WINDOW} one-job messages in flight per client, "
         f"batched = {args.batch_window} messages x {BATCH} jobs in flight per client; "
         "HTTP: 1 aiohttp process, "
-        f"64 POSTs in flight (1 or {BATCH} requests per POST); prompts: 100 bytes"
+        f"{args.http_window} POSTs in flight (1 or {BATCH} requests per POST); prompts: 100 bytes"
     )
     if rows:
         print("\nthroughput (round trips: job submitted -> its result back at the client)")

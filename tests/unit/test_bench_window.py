@@ -1,5 +1,6 @@
 """``benchmarks/broker_throughput.py --batch-window``: the SUBMITs each client keeps in flight
-in the batched cases (the HTTP baseline's in-flight POSTs stay as they are)."""
+in the batched cases (the HTTP baseline's in-flight POSTs stay as they are); ``--http-window``:
+the POSTs the HTTP baseline keeps in flight."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # as when run from there
 
 import broker_throughput as bt  # noqa: E402
-from report import BATCH, BATCH_WINDOW, SINGLE_WINDOW  # noqa: E402
+from report import BATCH, BATCH_WINDOW, HTTP_WINDOW, SINGLE_WINDOW  # noqa: E402
 
 
 def test_the_window_reaches_every_batched_case_but_http() -> None:
@@ -23,16 +24,30 @@ def test_the_window_reaches_every_batched_case_but_http() -> None:
     assert {s.window for s in bt.matrix_setups() if s.batch == BATCH and s.kind != "http"} == {BATCH_WINDOW}
 
 
+def test_the_http_window_reaches_both_http_cases_only() -> None:
+    assert HTTP_WINDOW == 64
+    setups = bt.matrix_setups(BATCH_WINDOW, 32)
+    http = [s for s in setups if s.kind == "http"]
+    assert sorted(s.batch for s in http) == [1, BATCH] and {s.window for s in http} == {32}
+    others = [s for s in setups if s.kind != "http"]
+    assert others == [s for s in bt.matrix_setups() if s.kind != "http"]
+    assert {s.window for s in bt.matrix_setups() if s.kind == "http"} == {HTTP_WINDOW}
+
+
 def test_a_window_below_one_is_refused_before_anything_starts() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "broker_throughput.py"), "--batch-window", "0"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 2
-    assert "--batch-window 0: at least 1 SUBMIT in flight per client" in run.stderr
+    for flag, error in (
+        ("--batch-window", "--batch-window 0: at least 1 SUBMIT in flight per client"),
+        ("--http-window", "--http-window 0: at least 1 POST in flight"),
+    ):
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "broker_throughput.py"), flag, "0"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 2
+        assert error in run.stderr
 
 
 def test_the_3x_line_names_the_jobs_in_flight_of_both_cases_when_they_differ() -> None:
@@ -45,5 +60,6 @@ def test_the_3x_line_names_the_jobs_in_flight_of_both_cases_when_they_differ() -
     assert jobs_in_flight(best) == 8 * BATCH_WINDOW * BATCH and jobs_in_flight(http) == 64 * BATCH
     note = in_flight_note(best, http)
     assert f"{8 * BATCH_WINDOW * BATCH:,} in broker 8c x 64w batched" in note and f"{64 * BATCH:,} over HTTP" in note
+    assert "--http-window HTTP's" in note
     assert in_flight_note(row("broker 8c x 64w batched", 8, 8, BATCH), http) == ""  # equal: nothing to say
     assert in_flight_note(None, http) == ""
