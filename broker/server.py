@@ -52,15 +52,18 @@ _COPY_BELOW = 1 << 16
 builds a ``Frame`` and copies it anyway below its own ``COPY_THRESHOLD``)."""
 
 
-def recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
-    """One whole waiting message's frames, uncopied (raises ``zmq.Again`` if none waits). ZeroMQ
-    delivers a message's frames together: once the first is here, the others are."""
+def recv_frames(sock: zmq.Socket[Any]) -> tuple[bytes, list[zmq.Frame]]:
+    """One whole waiting message of a ROUTER (raises ``zmq.Again`` if none waits): its sender's
+    identity, copied (a few bytes: 0.4 us less a message than an uncopied ``Frame`` read as
+    ``bytes``), and the frames the sender sent, uncopied (at least one; msgspec decodes them in
+    place). ZeroMQ delivers a message's frames together: once the first is here, the others are."""
+    identity: bytes = sock.recv(_NOBLOCK)
     frame = sock.recv(_NOBLOCK, copy=False)
     frames = [frame]
     while frame.more:
         frame = sock.recv(_NOBLOCK, copy=False)
         frames.append(frame)
-    return frames
+    return identity, frames
 
 
 _send = zmq.backend.Socket.send
@@ -288,15 +291,14 @@ class Broker:
         split = self._split
         for read in range(_READ_BATCH):  # noqa: B007 (``read``: the messages read, counted below)
             try:
-                frames = recv_frames(sock)
+                identity, frames = recv_frames(sock)
             except zmq.Again:
                 break
-            identity = frames[0].bytes
-            if len(frames) < 2 or len(frames[1]) <= codec.SPLIT_PREFIX:
+            if len(frames[0]) <= codec.SPLIT_PREFIX:
                 split[identity] = now
             elif split and identity in split:
                 del split[identity]
-            handler(identity, frames[1:], now)  # Frames: buffers msgspec decodes in place
+            handler(identity, frames, now)  # Frames: buffers msgspec decodes in place
         else:
             read = _READ_BATCH
         self.scheduler.stats.messages_received += read

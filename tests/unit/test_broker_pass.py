@@ -92,3 +92,30 @@ def test_results_reach_their_client_before_the_clients_messages_of_the_same_pass
     assert result.key == "first"
     (assignment,) = next_body(drive.worker, TO_WORKER, p.JOBS)
     assert assignment.job.job_id == "second"
+
+
+def test_a_message_is_read_as_its_senders_identity_and_the_frames_it_sent() -> None:
+    """``recv_frames``: the ROUTER's identity frame as bytes, the sender's frames uncopied, every
+    one of them (the last one's ``more`` unset), and ``zmq.Again`` once none waits."""
+    from zmq_rollout.broker.server import recv_frames
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        address = f"inproc://{uuid.uuid4().hex}"
+        router.bind(address)
+        dealer.setsockopt(zmq.IDENTITY, b"peer-1")
+        dealer.connect(address)
+        dealer.send_multipart([b"ZR1", b"", b"x" * 70_000])
+        dealer.send(b"one frame")
+        identity, frames = recv_frames(router)
+        assert type(identity) is bytes and identity == b"peer-1"
+        assert [f.bytes for f in frames] == [b"ZR1", b"", b"x" * 70_000] and not frames[-1].more
+        identity, frames = recv_frames(router)
+        assert identity == b"peer-1" and [f.bytes for f in frames] == [b"one frame"]
+        with pytest.raises(zmq.Again):
+            recv_frames(router)
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()
