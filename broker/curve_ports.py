@@ -44,8 +44,11 @@ class CurvePorts:
         self, keypair: Keypair, allow: AllowList, context: zmq.Context[Any] | None, stats: BrokerStats
     ) -> None:
         self.keypair = keypair
-        self.own_context: zmq.Context[Any] | None = None if context is not None else zmq.Context()
-        self.context: zmq.Context[Any] = context or self.own_context  # type: ignore[assignment]
+        self.own_context: zmq.Context[Any] | None = None
+        """The context made for the ZAP handler when the broker was given none; closed here."""
+        if context is None:
+            context = self.own_context = zmq.Context()
+        self.context: zmq.Context[Any] = context
         self._zap = ZapHandler(self.context, allow)
         self._stats = stats
         self.monitors: dict[zmq.Socket[Any], str] = {}
