@@ -69,9 +69,11 @@ class Dispatch:
         """Dispatch's step: 1 least loaded first; more while the socket loop packs (``packing.py``)."""
         return self._heap.step
 
-    def set_dispatch_step(self, step: int) -> None:
-        """Dispatch least loaded first (1) or packed in steps of ``step`` credits from now on."""
-        self._heap.set_step(step)
+    def set_dispatch_step(self, step: int, blocks: bool = False) -> None:
+        """Dispatch least loaded first (1) or packed in steps of ``step`` credits from now on;
+        packed, with ``blocks``, a block of jobs to a worker at the start of a step rather than
+        to one an earlier pass left part-filled (``dispatch_heap.py``)."""
+        self._heap.set_step(step, blocks)
 
     def _offer(self, w: WorkerState) -> None:
         """``w``'s load changed: its new place on the dispatch heap, if it may take a job."""
@@ -206,7 +208,7 @@ class Dispatch:
                 waiting.append(client)
             if used >= credits or not waiting:
                 break
-            if heap and used // step > heap[0][0]:  # ``pick`` takes it again while it comes first
+            if heap and 2 * (used // step) > heap[0][0]:  # ``pick`` takes it again while it comes first (``entry``)
                 break
             client = waiting[0]
             queue = client.queue

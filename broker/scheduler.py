@@ -117,6 +117,7 @@ class Scheduler(Results):
         if idle and new:
             self._waiting.append(client)
         self.stats.submitted += new
+        self.stats.submits += 1
         if accepted:
             self.outbox.to_client_many(identity, p.ACCEPTED, accepted)
         self.dispatch_soon(now)

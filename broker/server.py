@@ -114,7 +114,7 @@ class Broker:
         self._packing = Packing(pack_step(self.config.pack_step))
         self._spin: BusyPoll | None = None
         """The busy polling of a running loop (``run``; None: it sleeps at once)."""
-        self._idle, self._carried = IdleCores(), JobsPerMessage()
+        self._idle, self._carried, self._submit_size = IdleCores(), JobsPerMessage(), JobsPerMessage()
         self._metrics_server: Any = None
         if self.config.metrics_port is not None:
             from .metrics import serve_metrics
@@ -226,9 +226,9 @@ class Broker:
         pack jobs (``packing.py``) and poll without sleeping (``busy_poll.py``) in the next."""
         self.scheduler.tick(now)
         self._forget_split(now)
-        step = self._packing.review(now)
-        self.scheduler.set_dispatch_step(step)
         stats = self.scheduler.stats
+        step = self._packing.review(now, self._submit_size.sample(stats.submitted, stats.submits))
+        self.scheduler.set_dispatch_step(step, self._packing.blocks)
         if self._spin is not None:  # poll without sleeping in the next interval? (``busy_poll.py``)
             self._spin.spare(
                 self._idle.sample(now, stats.busy_poll_s),

@@ -137,6 +137,8 @@ class SessionStats:
 @dataclass
 class BrokerStats:
     submitted: int = 0
+    submits: int = 0
+    """SUBMIT messages (with ``submitted``: jobs per SUBMIT, ``packing.Packing.blocks``)."""
     completed: int = 0
     failed: int = 0
     cancelled: int = 0

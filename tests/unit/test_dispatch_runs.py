@@ -4,7 +4,7 @@ The reference below is the dispatch before runs: each plain turn picks its worke
 heap and offers the worker anew. Both schedulers take the same random events (submits of
 jobs of several costs and weight versions, results, cancels, credit changes, new weight
 versions, sessions) and must send the same messages, in the same order, with the same
-tickets, in both heap orders (least loaded first and packed).
+tickets, in every heap order (least loaded first, packed, packed keeping blocks whole).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def comparable(sent: list[tuple[int, bytes, bytes, Any]]) -> list[tuple[Any, ...
     return out
 
 
-def drive(s: Scheduler, events: list[tuple[Any, ...]], step: int) -> list[list[tuple[Any, ...]]]:
+def drive(s: Scheduler, events: list[tuple[Any, ...]], step: int, blocks: bool = False) -> list[list[tuple[Any, ...]]]:
     """Feed ``events`` to ``s``; what it sent after each, comparable across schedulers."""
     s.defer_dispatch = True
-    s.set_dispatch_step(step)
+    s.set_dispatch_step(step, blocks)
     log = []
     running: dict[bytes, list[int]] = {}
     for now, event in enumerate(events):
@@ -120,12 +120,12 @@ def random_events(seed: int) -> list[tuple[Any, ...]]:
     return events
 
 
-@pytest.mark.parametrize("step", [1, 4, 64])
+@pytest.mark.parametrize(("step", "blocks"), [(1, False), (4, False), (64, False), (4, True), (64, True)])
 @pytest.mark.parametrize("seed", range(12))
-def test_runs_send_what_one_pick_per_job_sends(seed: int, step: int) -> None:
+def test_runs_send_what_one_pick_per_job_sends(seed: int, step: int, blocks: bool) -> None:
     events = random_events(seed)
-    expected = drive(OnePickPerJob(BrokerConfig()), events, step)
-    got = drive(Scheduler(BrokerConfig()), events, step)
+    expected = drive(OnePickPerJob(BrokerConfig()), events, step, blocks)
+    got = drive(Scheduler(BrokerConfig()), events, step, blocks)
     assert sum(len(sent) for sent in expected) > 0
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
         assert have == want, f"event {i} ({events[i][0]}) sent differently"

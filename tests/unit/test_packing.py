@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from zmq_rollout.broker.packing import PACK_ABOVE, PACK_STEP, SPREAD, SPREAD_BELOW, Packing, pack_step
+from zmq_rollout.broker.packing import BLOCKS_FROM, PACK_ABOVE, PACK_STEP, SPREAD, SPREAD_BELOW, Packing, pack_step
 from zmq_rollout.broker.server import Broker
 from zmq_rollout.config import BrokerConfig
 
@@ -50,6 +50,25 @@ def test_pack_step_1_never_packs() -> None:
     assert packing.busy == 1.0 and not packing.packing
 
 
+def test_blocks_are_kept_whole_while_packing_submits_of_half_a_step_or_more() -> None:
+    packing = Packing(64)
+    packing.review(0.0, 64.0)
+    assert not packing.blocks  # not packing yet: least loaded first, no blocks
+    packing.worked(PACK_ABOVE)
+    assert packing.review(1.0, 64.0) == 64 and packing.blocks
+    packing.worked(PACK_ABOVE)
+    packing.review(2.0, None)  # no SUBMIT in the interval: as before
+    assert packing.blocks
+    packing.worked(PACK_ABOVE)
+    packing.review(3.0, BLOCKS_FROM * 64 - 1)  # one-job SUBMITs, mostly: top up part-filled workers
+    assert packing.packing and not packing.blocks
+    packing.worked(PACK_ABOVE)
+    packing.review(4.0, BLOCKS_FROM * 64)
+    assert packing.blocks
+    packing.review(5.0, 64.0)  # a second without work: spreading, blocks or not
+    assert not packing.packing and not packing.blocks
+
+
 def test_pack_step_is_checked() -> None:
     with pytest.raises(ValueError, match="pack_step"):
         BrokerConfig(pack_step=0)
@@ -65,6 +84,17 @@ def test_the_broker_tick_sets_the_schedulers_step_and_its_gauges() -> None:
         assert broker.scheduler.stats.packing and broker.scheduler.stats.busy == pytest.approx(0.9)
         broker.tick(102.0)  # a second without work
         assert broker.scheduler.dispatch_step == 1 and not broker.scheduler.stats.packing
+        assert not broker.scheduler._heap.blocks
+        broker.scheduler.stats.submitted += 80  # ten SUBMITs of 8 jobs: blocks of a whole step
+        broker.scheduler.stats.submits += 10
+        broker._packing.worked(0.9)
+        broker.tick(103.0)
+        assert broker.scheduler.dispatch_step == 8 and broker.scheduler._heap.blocks
+        broker.scheduler.stats.submitted += 10  # ten one-job SUBMITs
+        broker.scheduler.stats.submits += 10
+        broker._packing.worked(0.9)
+        broker.tick(104.0)
+        assert broker.scheduler.dispatch_step == 8 and not broker.scheduler._heap.blocks
     finally:
         broker._release()
 

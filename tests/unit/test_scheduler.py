@@ -769,9 +769,9 @@ def test_the_dispatch_heap_is_kept_between_passes_and_stays_bounded(monkeypatch:
     built = Counter[str]()
     entry = module.entry
 
-    def counted(w: Any, step: int) -> Any:
+    def counted(w: Any, step: int, blocks: bool = False) -> Any:
         built["entries"] += 1
-        return entry(w, step)
+        return entry(w, step, blocks)
 
     monkeypatch.setattr(module, "entry", counted)
     s = make()
