@@ -90,7 +90,7 @@ class SchedulerCollector:
         )
         yield GaugeMetricFamily(
             "zmq_rollout_broker_busy_ratio",
-            "Share of the last heartbeat interval the broker spent on its own work (not waiting or busy polling).",
+            "Share of the last review interval (0.25 s) the broker spent working (not waiting or busy polling).",
             value=stats.busy,
         )
         yield GaugeMetricFamily(

@@ -7,8 +7,8 @@ keep short windows) it sends each job in its own JOBS and gets each back in its 
 job costs three messages instead of about one (``benchmarks/README.md``, goal 4), and the
 broker's CPU, not the engines, sets the pace.
 
-So the socket loop measures how much of each heartbeat interval the broker spent on its own
-work (reading, scheduling, sending; not waiting or busy polling). Once that share reaches
+So the socket loop measures how much of each review interval (``server.REVIEW_S``, 0.25 s) the
+broker spent on its own work (reading, scheduling, sending; not waiting or busy polling). Once that share reaches
 ``PACK_ABOVE``, dispatch **packs**: a worker takes up to ``pack_step`` more credits of work
 before the next one gets any (the workers with the fewest steps of load first; between
 equals, the one picked last). Jobs then travel to a worker and back in blocks. Once the share

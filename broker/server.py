@@ -35,6 +35,10 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
+REVIEW_S = 0.25
+"""Seconds between two reviews of whether to pack (``Broker.review``, ``packing.py``): a broker
+that a burst of jobs makes busy packs within two, where once a heartbeat interval (1 s) it
+spread the first one to two seconds of every burst over the fleet (``benchmarks/README.md``)."""
 _READ_BATCH = 256  # messages per socket per pass, so that neither side starves the other
 GC_YOUNG_THRESHOLD = 20_000
 """New objects between two collections of the youngest generation in a broker's own process
@@ -171,6 +175,7 @@ class Broker:
             poller.register(monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval_s
         next_tick = time.monotonic() + interval
+        next_review = time.monotonic() + REVIEW_S
         self._packing = Packing(pack_step(self.config.pack_step))  # on the thread that runs the loop
         if owns_process():  # the collector is the process's to set
             settle_heap(GC_YOUNG_THRESHOLD)
@@ -195,6 +200,9 @@ class Broker:
                 if now >= next_tick:
                     self.tick(now)
                     next_tick = now + interval
+                if now >= next_review:
+                    self.review(now)
+                    next_review = now + REVIEW_S
                 self.scheduler.wake(now)
                 self._flush(now)
                 self._packing.worked(time.monotonic() - now)  # this pass's work, its polling apart
@@ -221,20 +229,25 @@ class Broker:
                 if monitor in ready:
                     curve.read(monitor, now, _READ_BATCH)
 
-    def tick(self, now: float) -> None:
-        """Once per heartbeat interval: the scheduler's expiry and heartbeats, and whether to
-        pack jobs (``packing.py``) and poll without sleeping (``busy_poll.py``) in the next."""
-        self.scheduler.tick(now)
-        self._forget_split(now)
+    def review(self, now: float) -> None:
+        """Every ``REVIEW_S``: whether to pack jobs, and keep their blocks whole, until the next
+        review (``packing.py``), from the share of the interval the loop spent working."""
         stats = self.scheduler.stats
         step = self._packing.review(now, self._submit_size.sample(stats.submitted, stats.submits))
         self.scheduler.set_dispatch_step(step, self._packing.blocks)
+        stats.busy, stats.packing = self._packing.busy, self._packing.packing
+
+    def tick(self, now: float) -> None:
+        """Once per heartbeat interval: the scheduler's expiry and heartbeats, and whether to
+        poll without sleeping (``busy_poll.py``) in the next."""
+        self.scheduler.tick(now)
+        self._forget_split(now)
+        stats = self.scheduler.stats
         if self._spin is not None:  # poll without sleeping in the next interval? (``busy_poll.py``)
             self._spin.spare(
                 self._idle.sample(now, stats.busy_poll_s),
                 self._carried.sample(stats.submitted + stats.completed, stats.messages_received),
             )
-        stats.busy, stats.packing = self._packing.busy, self._packing.packing
         stats.split_peers = len(self._split)
 
     def _forget_split(self, now: float) -> None:

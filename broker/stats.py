@@ -154,7 +154,7 @@ class BrokerStats:
     busy_poll_s: float = 0.0
     """CPU seconds the socket loop spent polling without sleeping (``BrokerConfig.busy_poll_us``)."""
     busy: float = 0.0
-    """Share of the last heartbeat interval the socket loop spent on its work (``packing.py``)."""
+    """Share of the last review interval (``server.REVIEW_S``) the socket loop spent on its work (``packing.py``)."""
     packing: bool = False
     """Whether dispatch packs jobs (the broker is busy) or gives each to the least loaded worker."""
     messages_received: int = 0

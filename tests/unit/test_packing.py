@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
 
+from tests.helpers import poll_until
 from zmq_rollout.broker.packing import BLOCKS_FROM, PACK_ABOVE, PACK_STEP, SPREAD, SPREAD_BELOW, Packing, pack_step
-from zmq_rollout.broker.server import Broker
+from zmq_rollout.broker.server import REVIEW_S, Broker, BrokerThread
 from zmq_rollout.config import BrokerConfig
 
 
@@ -74,29 +76,41 @@ def test_pack_step_is_checked() -> None:
         BrokerConfig(pack_step=0)
 
 
-def test_the_broker_tick_sets_the_schedulers_step_and_its_gauges() -> None:
+def test_the_broker_review_sets_the_schedulers_step_and_its_gauges() -> None:
     broker = Broker(BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", pack_step=8))
     try:
-        broker.tick(100.0)
-        broker._packing.worked(0.9)
-        broker.tick(101.0)
+        broker.review(100.0)
+        broker._packing.worked(0.9 * REVIEW_S)
+        broker.review(100.0 + REVIEW_S)
         assert broker.scheduler.dispatch_step == 8
         assert broker.scheduler.stats.packing and broker.scheduler.stats.busy == pytest.approx(0.9)
-        broker.tick(102.0)  # a second without work
+        broker.review(100.0 + 2 * REVIEW_S)  # an interval without work
         assert broker.scheduler.dispatch_step == 1 and not broker.scheduler.stats.packing
         assert not broker.scheduler._heap.blocks
         broker.scheduler.stats.submitted += 80  # ten SUBMITs of 8 jobs: blocks of a whole step
         broker.scheduler.stats.submits += 10
-        broker._packing.worked(0.9)
-        broker.tick(103.0)
+        broker._packing.worked(0.9 * REVIEW_S)
+        broker.review(100.0 + 3 * REVIEW_S)
         assert broker.scheduler.dispatch_step == 8 and broker.scheduler._heap.blocks
         broker.scheduler.stats.submitted += 10  # ten one-job SUBMITs
         broker.scheduler.stats.submits += 10
-        broker._packing.worked(0.9)
-        broker.tick(104.0)
+        broker._packing.worked(0.9 * REVIEW_S)
+        broker.review(100.0 + 4 * REVIEW_S)
         assert broker.scheduler.dispatch_step == 8 and not broker.scheduler._heap.blocks
     finally:
         broker._release()
+
+
+def test_the_loop_reviews_packing_every_review_interval_not_every_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst makes a broker pack within two reviews (0.5 s), not two heartbeats (2 s)."""
+    reviews: list[float] = []
+    real = Broker.review
+    monkeypatch.setattr(Broker, "review", lambda self, now: (reviews.append(now), real(self, now)))
+    config = BrokerConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*", heartbeat_interval_s=5.0)
+    with BrokerThread(config):
+        poll_until(lambda: len(reviews) >= 4, timeout=10.0, what="four reviews")
+    gaps = [b - a for a, b in itertools.pairwise(reviews[:4])]
+    assert all(REVIEW_S <= gap < 8 * REVIEW_S for gap in gaps), gaps  # not once a heartbeat (5 s here)
 
 
 def test_a_broker_packs_by_default_on_its_own_main_thread_and_never_on_another() -> None:
