@@ -4,7 +4,8 @@ The reference below is the dispatch before runs: each plain turn picks its worke
 heap and offers the worker anew. Both schedulers take the same random events (submits of
 jobs of several costs and weight versions, results, cancels, credit changes, new weight
 versions, sessions) and must send the same messages, in the same order, with the same
-tickets, in every heap order (least loaded first, packed, packed keeping blocks whole).
+tickets, in every heap order (least loaded first, packed, packed keeping blocks whole); and
+no JOBS may leave a worker over its credits (but a job larger than them, alone).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def drive(s: Scheduler, events: list[tuple[Any, ...]], step: int, blocks: bool =
         for side, peer, command, body in sent:
             if side == WORKER and command == p.JOBS:
                 running.setdefault(peer, []).extend(a.ticket for a in body)
+                w = s.workers[peer]  # no JOBS overruns credits, but a job larger than them, alone
+                assert w.credits_used <= w.credits or len(w.running) == 1, f"event {now}: {peer!r} overrun"
         log.append(comparable(sent))
     return log
 
