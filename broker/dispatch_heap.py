@@ -130,7 +130,7 @@ class DispatchHeap:
             if step == 1:
                 if item[1] != w.last_pick or item[0] != used / credits:
                     continue
-            elif item[1] != -w.last_pick or int(item[0]) >> 1 != used // step:
+            elif item[1] != -w.last_pick or item[0] // 2 != used // step:
                 continue
             if (job.cost <= credits - used or used == 0) and w.weight_version >= job.spec.min_weight_version:
                 found = w

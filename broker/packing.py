@@ -7,22 +7,23 @@ keep short windows) it sends each job in its own JOBS and gets each back in its 
 job costs three messages instead of about one (``benchmarks/README.md``, goal 4), and the
 broker's CPU, not the engines, sets the pace.
 
-So the socket loop measures how much of each review interval (``server.REVIEW_S``, 0.25 s) the
-broker spent on its own work (reading, scheduling, sending; not waiting or busy polling). Once that share reaches
-``PACK_ABOVE``, dispatch **packs**: a worker takes up to ``pack_step`` more credits of work
-before the next one gets any (the workers with the fewest steps of load first; between
-equals, the one picked last). Jobs then travel to a worker and back in blocks. Once the share
-falls below ``SPREAD_BELOW``, dispatch spreads again. The gap between the two keeps it from
-switching with every interval: packing itself lowers the broker's load.
+So the socket loop measures how much of each review interval (``server.REVIEW_S``, 0.25 s)
+the broker spent on its own work (reading, scheduling, sending; not waiting or busy
+polling). Once that share reaches ``PACK_ABOVE``, dispatch **packs**: a worker takes up to
+``pack_step`` more credits of work before the next one gets any (the workers with the fewest
+steps of load first; between equals, the one picked last). Jobs then travel to a worker and
+back in blocks. Once the share falls below ``SPREAD_BELOW``, dispatch spreads again. The gap
+between the two keeps it from switching with every interval: packing itself lowers the
+broker's load.
 
 While packing, it also keeps blocks whole (``blocks``) while the clients' SUBMITs carried at
 least ``BLOCKS_FROM`` of a step on average in the last interval: a pass's block of jobs then
 goes to a worker at the start of a step, not first to top up one that an earlier pass left
-part-filled, the rest spilling onto another (``dispatch_heap.py``). With many workers free
-(1,024 workers, 64 clients of 4 x 64 jobs) that made JOBS of 37 jobs on average, not 64.
+part-filled, the rest spilling onto another (``dispatch_heap.py``). With workers that answer
+a JOBS in parts, that made JOBS of about 10 jobs, not 64 (``benchmarks/dispatch_blocks.py``).
 One-job SUBMITs keep topping up: a pass's few jobs are what fills a part-filled worker.
 
-Pure: the loop reports seconds of work and asks at each tick (tests/unit/test_packing.py).
+Pure: the loop reports seconds of work and asks at each review (tests/unit/test_packing.py).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ PACK_ABOVE = 0.5
 SPREAD_BELOW = 0.25
 """Share of an interval below which a packing broker spreads again."""
 SPREAD = 1
+"""The step of least loaded first: every credit of load counts."""
 BLOCKS_FROM = 0.5
 """Share of the pack step the last interval's SUBMITs carried on average (jobs per SUBMIT) from
 which a packing broker keeps blocks whole (``Packing.blocks``)."""
-"""The step of least loaded first: every credit of load counts."""
 PACK_STEP = 64
 """``BrokerConfig.pack_step`` of a broker in its own process: a worker's default credits
 (vLLM's ``max_num_seqs``), so that a busy broker fills a default worker before the next gets
@@ -101,9 +102,7 @@ class Packing:
         if blocks != self.blocks:
             self.blocks = blocks
             if blocks:
-                log.info(
-                    "SUBMITs of %.0f jobs on average: packing keeps each block of jobs whole", jobs_per_submit or 0
-                )
+                log.info("SUBMITs of half a step or more: packing keeps each block of jobs whole")
             else:
                 log.info("packing tops up part-filled workers first again (or spreads)")
         return self.step

@@ -118,7 +118,8 @@ class Broker:
         self._packing = Packing(pack_step(self.config.pack_step))
         self._spin: BusyPoll | None = None
         """The busy polling of a running loop (``run``; None: it sleeps at once)."""
-        self._idle, self._carried, self._submit_size = IdleCores(), JobsPerMessage(), JobsPerMessage()
+        self._idle, self._carried = IdleCores(), JobsPerMessage()
+        self._submit_size = JobsPerMessage()  # the same ratio over SUBMITs: jobs per SUBMIT (``review``)
         self._metrics_server: Any = None
         if self.config.metrics_port is not None:
             from .metrics import serve_metrics
