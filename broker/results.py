@@ -63,7 +63,7 @@ class Results(Dispatch):
         # Per client of this message's results (dispatch gives a worker the clients' jobs in
         # turn, so the client changes from one result to the next): its state, its answered ids
         # while it is young (``_answered``) and its FINAL list, while nothing else goes to it.
-        parts: dict[ClientId, tuple[ClientState | None, set[str] | None, list[Any]]] = {}
+        parts: dict[ClientId, tuple[ClientState | None, list[str] | None, list[Any]]] = {}
         running_here, clients, outbox, relay = worker.running, self.clients, self.outbox, p.ResultRelay
         # The metrics per block (``staleness.py``): each submission's latency once (``tally``);
         # samples of the fleet's version counted at once; a result that crossed a sync, alone.
@@ -86,13 +86,13 @@ class Results(Dispatch):
             part = parts.get(job.client)
             if part is None:
                 client = clients.get(job.client)
-                remember = None if client is None else client.finished
+                remember = None if client is None or client.finished is None else client.finished.ids
                 part = parts[job.client] = (client, remember, outbox.items_to(CLIENT, job.client, p.FINAL))
             client, remember, out = part
             if client is not None:
                 client.jobs.pop(jid, None)
                 if remember is not None and len(remember) < MAX_REMEMBERED:
-                    remember.add(jid)
+                    remember.append(jid)
             if type(result) is relay:  # ``ResultRelay.to_client``, inline
                 result.key = jid
                 out.append(result)
@@ -200,8 +200,8 @@ class Results(Dispatch):
     def _answered(client: ClientState, job_id: str) -> None:
         """Remember an answered job while its client's session is young (``ClientState.finished``)."""
         finished = client.finished
-        if finished is not None and len(finished) < MAX_REMEMBERED:
-            finished.add(job_id)
+        if finished is not None and len(finished.ids) < MAX_REMEMBERED:
+            finished.ids.append(job_id)
 
     def _finish(self, worker: WorkerState, ticket: object, *, offer: bool = True) -> Job | None:
         """The job ``worker`` ran under ``ticket`` is over (None: no such job there any more).

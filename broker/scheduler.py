@@ -33,7 +33,7 @@ from .affinity import Affinity
 from .dispatch_heap import DispatchHeap
 from .outbox import Outbox
 from .results import Results
-from .state import ClientId, ClientState, Job, Submission, WorkerId, WorkerState, peer_name
+from .state import AnsweredIds, ClientId, ClientState, Job, Submission, WorkerId, WorkerState, peer_name
 from .stats import BrokerStats
 from .sync import SyncCoordinator
 
@@ -66,7 +66,8 @@ class Scheduler(Results):
     def _client(self, identity: ClientId, now: float) -> ClientState:
         client = self.clients.get(identity)
         if client is None:
-            client = self.clients[identity] = ClientState(identity, peer_name(identity), now, since=now, finished=set())
+            name = peer_name(identity)
+            client = self.clients[identity] = ClientState(identity, name, now, since=now, finished=AnsweredIds())
             log.info("client %s connected", client.name)
         client.last_seen = now
         return client

@@ -7,6 +7,7 @@ Vocabulary: a worker announces **credits** (the sequences its engine runs at onc
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,6 +47,32 @@ def tally_finished(submissions: list[Submission], now: float, histogram: Any) ->
     for sub in submissions:
         histogram.observe_many(now - sub.at, sub.finished)
         sub.finished = 0
+
+
+class AnsweredIds:
+    """The ids of a client's jobs answered in its first ``client_expiry_s`` here, in the order
+    they were answered (``ClientState.finished``). Every result appends one (``ids``, the hot
+    path); only a resubmission looks one up, after a broker restart. So the ids go into a list,
+    and a set is built from it at the first lookup and brought up to date at each later one.
+    Appending costs ~40 ns a job. A set insert cost 90-200 ns into a set of up to 100,000 ids,
+    and was the broker's costliest line at 180k jobs/s (6% of its samples)."""
+
+    __slots__ = ("_index", "_indexed", "ids")
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self._index: set[str] = set()
+        self._indexed = 0  # how many of ``ids`` are in ``_index``
+
+    def __contains__(self, job_id: object) -> bool:
+        ids = self.ids
+        if self._indexed < len(ids):
+            self._index.update(itertools.islice(ids, self._indexed, None))
+            self._indexed = len(ids)
+        return job_id in self._index
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 class Job(msgspec.Struct, gc=False, eq=False):
@@ -88,7 +115,7 @@ class ClientState:
     """How many of ``jobs`` are queued."""
     since: float = 0.0
     """When this broker first heard of it (this session)."""
-    finished: set[str] | None = None
+    finished: AnsweredIds | None = None
     """Ids of its jobs answered in its first ``client_expiry_s`` here (then None): a client that
     notices a restart sends its unfinished jobs again, at its first heartbeat reply, and one it
     sent while the old broker was down may have finished here already."""

@@ -704,6 +704,24 @@ def test_a_resubmitted_job_this_broker_already_answered_is_not_run_again() -> No
     assert assigned_ids(s.outbox.take(), W1) == ["a1"]
 
 
+def test_answers_after_a_lookup_are_seen_by_the_next_resubmission() -> None:
+    """The answered ids are a list indexed into a set at a lookup (``AnsweredIds``): a job
+    answered after one resubmission's lookup is still found by the next resubmission."""
+    s = make(client_expiry_s=10.0)
+    ready(s, W1, 4)
+    s.submit(A, [job("a0"), job("a1")], now=0.0)
+    running = assigned(s.outbox.take(), W1)
+    finish(s, W1, running[:1], now=0.5)
+    s.submit(A, [job("a0", resubmitted=True)], now=0.6)  # the first lookup builds the index
+    assert body(s.outbox.take(), CLIENT, A, p.ACCEPTED) == ["a0"] and s.stats.submitted == 2
+    finish(s, W1, running[1:], now=0.7)
+    s.outbox.take()
+    s.submit(A, [job("a1", resubmitted=True), job("a2", resubmitted=True)], now=0.8)
+    sent = s.outbox.take()
+    assert body(sent, CLIENT, A, p.ACCEPTED) == ["a1", "a2"]
+    assert assigned_ids(sent, W1) == ["a2"] and s.stats.submitted == 3
+
+
 def test_a_final_of_clients_in_turn_answers_each_its_own_in_order() -> None:
     """Dispatched in turn, a worker's FINAL holds clients' results in turn: each client gets
     one FINAL of its own results, in the worker's order, and its jobs leave its running set."""
@@ -733,7 +751,9 @@ def test_the_answered_jobs_remembered_per_client_stop_at_the_bound(monkeypatch: 
     finish(s, W1, running[:2], now=0.5)
     finish(s, W1, running[2:], now=0.6)
     assert len(body(s.outbox.take(), CLIENT, A, p.FINAL)) == 5
-    assert s.clients[A].finished == {"a0", "a1", "a2"}
+    finished = s.clients[A].finished
+    assert finished is not None and finished.ids == ["a0", "a1", "a2"]
+    assert "a2" in finished and "a3" not in finished
 
 
 # -- ACCEPTED on request (JobSpec.ack) ---------------------------------------------------------
