@@ -7,7 +7,6 @@ Vocabulary: a worker announces **credits** (the sequences its engine runs at onc
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ class AnsweredIds:
     def __contains__(self, job_id: object) -> bool:
         ids = self.ids
         if self._indexed < len(ids):
-            self._index.update(itertools.islice(ids, self._indexed, None))
+            self._index.update(ids[self._indexed :])  # a slice: islice would walk the indexed ones
             self._indexed = len(ids)
         return job_id in self._index
 
