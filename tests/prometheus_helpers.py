@@ -47,7 +47,7 @@ def prometheus_binary() -> str:
         pytest.skip(f"{SKIP_ENV}=1: no Prometheus binary on this machine")
     pytest.fail(
         "the Prometheus binary is missing (no `prometheus` on PATH, no /usr/bin/prometheus). Install it "
-        "with `apt-get install -y prometheus` (.ci/run does), or set ZMQ_ROLLOUT_NO_PROMETHEUS=1 to skip "
+        "with `apt-get install -y prometheus` (scripts/test.sh does), or set ZMQ_ROLLOUT_NO_PROMETHEUS=1 to skip "
         "this test deliberately."
     )
 
