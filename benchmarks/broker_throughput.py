@@ -5,6 +5,7 @@
     python benchmarks/broker_throughput.py --profile  # one batched case, broker profiled
     python benchmarks/broker_throughput.py --baseline-ref 39adf1e  # broker cases, that commit's broker vs. this one
     python benchmarks/broker_throughput.py --scale    # 1 to 1,024 workers, 1 to 64 clients (broker_scale.py), ~3 min
+    python benchmarks/broker_throughput.py --goal-pairs 5  # full run, then the 3x-HTTP goal's two cases as 5 pairs
 
 Every party is its own spawned process: the broker; the workers (*test doubles* that answer
 each job at once, spread over ``--worker-procs`` processes); each client. So what is measured is
@@ -717,6 +718,14 @@ def main() -> None:
         metavar="REF",
         help="with --baseline-ref: the 'after' broker is commit REF's (a worktree) instead of this working tree",
     )
+    ap.add_argument(
+        "--goal-pairs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the cases: the 3x-HTTP goal's two cases (the best broker batched one, HTTP batched) N more "
+        "times as back-to-back pairs, each pair's ratio and their median printed (default 0: none)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="with --baseline-ref: before/after pairs per case (median)")
     ap.add_argument(
         "--ack", action="store_true", help="the clients' jobs ask for ACCEPTED (JobSpec.ack; off as in the client)"
@@ -770,6 +779,8 @@ def main() -> None:
         ap.error("--after-ref needs --baseline-ref")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.goal_pairs < 0:
+        ap.error("--goal-pairs must be 0 or more")
     args.keys_dir = tempfile.mkdtemp(prefix="zr-bench-keys-")
     scale = args.scale or "scale" in args.only.split(",")
     if scale:
@@ -797,13 +808,51 @@ def main() -> None:
     for path in LATENCY_PATHS if selected(args, "latency") else ():
         latency[path] = run_latency(path, args)
         print(f"  latency {path:<10} p50 {percentile_us(latency[path], 0.5):7.1f} us", flush=True)
-    rows = []
+    rows, setups = [], {}
     for setup in matrix_setups(args.batch_window, args.http_window):
         if not selected(args, setup.name):
             continue
         rows.append(run_throughput(setup, args))
+        setups[setup.name] = setup
         print(f"  {rows[-1]['case']:<40} {rows[-1]['jobs_per_s']:>10,} jobs/s", flush=True)
-    report(rows, latency, args, time.monotonic() - started)
+    pairs = goal_pairs(rows, setups, args) if args.goal_pairs else []
+    report(rows, latency, args, time.monotonic() - started, pairs)
+
+
+def goal_pairs(rows: list[dict[str, Any]], setups: dict[str, Setup], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--goal-pairs N``: the 3x goal's two cases (the best broker batched case of ``rows`` and
+    HTTP batched) run again N times as pairs, back to back, alternating which goes first: a
+    ratio per pair, so that one noisy window on either side does not decide the verdict."""
+    batched = [r for r in rows if r["kind"] == "broker" and r["jobs_per_message"] > 1]
+    http = [r for r in rows if r["kind"] == "http" and r["jobs_per_message"] > 1]
+    if not batched or not http:
+        print("--goal-pairs: the run measured no broker batched case or no HTTP batched case; no pairs", flush=True)
+        return []
+    broker_setup = setups[max(batched, key=lambda r: r["jobs_per_s"])["case"]]
+    http_setup = setups[http[0]["case"]]
+    pairs = []
+    for k in range(args.goal_pairs):
+        order = (broker_setup, http_setup) if k % 2 == 0 else (http_setup, broker_setup)
+        runs = {setup.kind: run_throughput(setup, args) for setup in order}
+        broker, served = runs["broker"]["jobs_per_s"], runs["http"]["jobs_per_s"]
+        pairs.append(
+            {
+                "pair": k + 1,
+                "first": order[0].name,
+                "broker_case": broker_setup.name,
+                "broker_jobs_per_s": broker,
+                "broker_us_per_job": runs["broker"]["server_cpu_us_per_job"],
+                "http_jobs_per_s": served,
+                "http_us_per_job": runs["http"]["server_cpu_us_per_job"],
+                "ratio": round(broker / served, 3) if served else None,
+            }
+        )
+        print(
+            f"  goal pair {k + 1}/{args.goal_pairs}: {broker_setup.name} {broker:>8,} jobs/s, "
+            f"HTTP batched {served:>8,} jobs/s: {pairs[-1]['ratio']}x",
+            flush=True,
+        )
+    return pairs
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -103,7 +103,14 @@ def doubles_line(args: Any) -> str:
     )
 
 
-def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any, elapsed: float) -> None:
+def report(
+    rows: list[dict[str, Any]],
+    latency: dict[str, list[int]],
+    args: Any,
+    elapsed: float,
+    pairs: list[dict[str, Any]] | None = None,
+) -> None:
+    """The full run's tables, ratios and goal verdicts; ``pairs``: ``--goal-pairs``' runs."""
     print()
     print(
         f"machine: {os.cpu_count()} cores ({_cpu_model()}), Python {platform.python_version()}; "
@@ -238,6 +245,7 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         f"{verdict[goals['batched_ge_3x_http']]} ({'n/a' if vs_http is None else f'{vs_http:.2f}x'}"
         f"{in_flight_note(best_batched, http_batched)})"
     )
+    goals["batched_ge_3x_http_pairs_median"] = goal_pairs_line(pairs or [])
     us = f"{best_batched['server_cpu_us_per_job']} us" if best_batched else "n/a"
     print(
         f"  broker CPU per job, batched (best case) <= {GOAL_BATCHED_US_PER_JOB:.0f} us: "
@@ -260,10 +268,29 @@ def report(rows: list[dict[str, Any]], latency: dict[str, list[int]], args: Any,
         "proxy_added_latency_us": proxy_added,
         "ratios": ratios,
         "goals": goals,
+        "goal_pairs": pairs or [],
         "doubles_ceiling_jobs_per_s": None if ceiling is None else round(ceiling[1]),
         "elapsed_s": round(elapsed, 1),
     }
     print("RESULT " + json.dumps(result, separators=(",", ":")))
+
+
+def goal_pairs_line(pairs: list[dict[str, Any]]) -> bool | None:
+    """Print the 3x goal's verdict over ``--goal-pairs``' pairs (their median ratio); return it
+    (None: no pairs ran)."""
+    ratios = [r["ratio"] for r in pairs if r["ratio"] is not None]
+    if not ratios:
+        return None
+    median = _median(ratios)
+    met = median >= GOAL_BATCHED_VS_HTTP
+    each = ", ".join(f"{r:.2f}x" for r in ratios)
+    cpu = ", ".join(f"{r['http_us_per_job'] / r['broker_us_per_job']:.2f}x" for r in pairs if r["broker_us_per_job"])
+    print(
+        f"    over {len(ratios)} more pairs ({pairs[0]['broker_case']} and HTTP batched, back to back): "
+        f"{'MET' if met else 'NOT MET'} (median {median:.2f}x; pairs {each}; "
+        f"server CPU per job, HTTP's over the broker's: {cpu})"
+    )
+    return met
 
 
 # -- --baseline-ref --------------------------------------------------------------------------

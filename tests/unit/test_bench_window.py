@@ -63,3 +63,69 @@ def test_the_3x_line_names_the_jobs_in_flight_of_both_cases_when_they_differ() -
     assert "--http-window HTTP's" in note
     assert in_flight_note(row("broker 8c x 64w batched", 8, 8, BATCH), http) == ""  # equal: nothing to say
     assert in_flight_note(None, http) == ""
+
+
+def _row(setup: bt.Setup, jobs_per_s: int, us_per_job: float) -> dict[str, object]:
+    return {
+        "case": setup.name,
+        "kind": setup.kind,
+        "jobs_per_message": setup.batch,
+        "jobs_per_s": jobs_per_s,
+        "server_cpu_us_per_job": us_per_job,
+    }
+
+
+def test_goal_pairs_rerun_the_best_broker_batched_case_and_http_batched_alternating_first(monkeypatch) -> None:
+    setups = {s.name: s for s in bt.matrix_setups() if s.kind in ("broker", "http")}
+    rows = [
+        _row(setups["broker 8c x 8w batched"], 200_000, 4.0),
+        _row(setups["broker 8c x 64w batched"], 300_000, 3.0),  # the best: the one paired
+        _row(setups["broker 8c x 64w unbatched"], 90_000, 9.0),
+        _row(setups["HTTP 1c x server batched"], 100_000, 9.0),
+    ]
+    answers = iter([310_000, 100_000, 95_000, 290_000, 330_000, 100_000])  # in the order the runs go
+    ran: list[str] = []
+
+    def run_throughput(setup: bt.Setup, args: object) -> dict[str, object]:
+        ran.append(setup.name)
+        return _row(setup, next(answers), 3.0 if setup.kind == "broker" else 9.0)
+
+    monkeypatch.setattr(bt, "run_throughput", run_throughput)
+
+    class Args:
+        goal_pairs = 3
+
+    pairs = bt.goal_pairs(rows, setups, Args())  # type: ignore[arg-type]
+    broker, http = "broker 8c x 64w batched", "HTTP 1c x server batched"
+    assert ran == [broker, http, http, broker, broker, http]
+    assert [p["ratio"] for p in pairs] == [3.1, round(290_000 / 95_000, 3), 3.3]
+    assert [p["first"] for p in pairs] == [broker, http, broker]
+
+
+def test_goal_pairs_verdict_is_the_median_ratio(capsys) -> None:
+    from report import goal_pairs_line
+
+    def pairs(*ratios: float) -> list[dict[str, object]]:
+        return [
+            {"ratio": r, "broker_case": "broker 8c x 64w batched", "broker_us_per_job": 3.0, "http_us_per_job": 9.3}
+            for r in ratios
+        ]
+
+    assert goal_pairs_line(pairs(3.2, 2.9, 3.1)) is True
+    out = capsys.readouterr().out
+    assert "MET (median 3.10x; pairs 3.20x, 2.90x, 3.10x" in out and "3.10x, 3.10x, 3.10x)" in out
+    assert goal_pairs_line(pairs(2.5, 3.5, 2.9)) is False
+    assert "NOT MET (median 2.90x" in capsys.readouterr().out
+    assert goal_pairs_line([]) is None
+    assert capsys.readouterr().out == ""
+
+
+def test_negative_goal_pairs_are_refused_before_anything_starts() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "broker_throughput.py"), "--goal-pairs", "-1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "--goal-pairs must be 0 or more" in run.stderr
