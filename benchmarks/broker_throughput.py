@@ -781,6 +781,8 @@ def main() -> None:
         ap.error("--repeats must be at least 1")
     if args.goal_pairs < 0:
         ap.error("--goal-pairs must be 0 or more")
+    if args.goal_pairs and (args.scale or args.baseline_ref or args.profile):
+        ap.error("--goal-pairs pairs the full run's cases: not with --scale, --baseline-ref or --profile")
     args.keys_dir = tempfile.mkdtemp(prefix="zr-bench-keys-")
     scale = args.scale or "scale" in args.only.split(",")
     if scale:

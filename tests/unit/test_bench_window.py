@@ -120,12 +120,17 @@ def test_goal_pairs_verdict_is_the_median_ratio(capsys) -> None:
     assert capsys.readouterr().out == ""
 
 
-def test_negative_goal_pairs_are_refused_before_anything_starts() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "broker_throughput.py"), "--goal-pairs", "-1"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode == 2 and "--goal-pairs must be 0 or more" in run.stderr
+def test_goal_pairs_that_cannot_run_are_refused_before_anything_starts() -> None:
+    for flags, error in (
+        (["--goal-pairs", "-1"], "--goal-pairs must be 0 or more"),
+        (["--goal-pairs", "3", "--scale"], "--goal-pairs pairs the full run's cases: not with --scale"),
+        (["--goal-pairs", "3", "--baseline-ref", "HEAD"], "not with --scale, --baseline-ref or --profile"),
+    ):
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "broker_throughput.py"), *flags],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 2 and error in run.stderr, flags
