@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from zmq_rollout.batching import append
+from zmq_rollout.protocol import FINAL, SplicedFinal
 
 CLIENT = 0
 WORKER = 1
@@ -47,6 +48,17 @@ class Outbox:
         if not segments or segments[-1][0] != command:
             segments.append([command, []])
         return segments[-1][1]
+
+    def sealed_finals_to(self, identity: bytes) -> SplicedFinal:
+        """``items_to(CLIENT, identity, p.FINAL)`` for results that come sealed: a ``SplicedFinal``
+        (``(job_id, sealed)`` pairs, or any result) that ``codec.encode`` writes in one copy. The
+        client's last FINAL list if it is one, else a new FINAL after what is already there."""
+        segments = self._segments(CLIENT, identity)
+        if segments and segments[-1][0] == FINAL and type(segments[-1][1]) is SplicedFinal:
+            return segments[-1][1]
+        out = SplicedFinal()
+        segments.append([FINAL, out])
+        return out
 
     def take(self) -> list[tuple[int, bytes, bytes, Any]]:
         """Everything pending as ``(side, identity, command, body)``; in order for each peer,

@@ -64,7 +64,7 @@ class Results(Dispatch):
         # turn, so the client changes from one result to the next): its state, its answered ids
         # while it is young (``_answered``) and its FINAL list, while nothing else goes to it.
         parts: dict[ClientId, tuple[ClientState | None, list[str] | None, list[Any]]] = {}
-        running_here, clients, outbox, relay = worker.running, self.clients, self.outbox, p.ResultRelay
+        running_here, relay, sealed, spliced = worker.running, p.ResultRelay, p.SealedResult, p.SplicedFinal
         # The metrics per block (``staleness.py``): each submission's latency once (``tally``);
         # samples of the fleet's version counted at once; a result that crossed a sync, alone.
         finished: list[Submission] = []
@@ -85,9 +85,7 @@ class Results(Dispatch):
             jid = spec.job_id
             part = parts.get(job.client)
             if part is None:
-                client = clients.get(job.client)
-                remember = None if client is None or client.finished is None else client.finished.ids
-                part = parts[job.client] = (client, remember, outbox.items_to(CLIENT, job.client, p.FINAL))
+                part = parts[job.client] = self._final_part(job.client, type(result) is sealed)
             client, remember, out = part
             if client is not None:
                 client.jobs.pop(jid, None)
@@ -96,6 +94,8 @@ class Results(Dispatch):
             if type(result) is relay:  # ``ResultRelay.to_client``, inline
                 result.key = jid
                 out.append(result)
+            elif type(result) is sealed and type(out) is spliced:
+                out.append((jid, result.result))  # ``SealedResult.to_client``, when written
             else:
                 out.append(result.to_client(jid))
             sub = job.submission
@@ -113,6 +113,15 @@ class Results(Dispatch):
             worker.credits_used -= freed
             self._done(worker, done, finished, fresh, now)
         self.dispatch_soon(now)
+
+    def _final_part(self, identity: ClientId, sealed: bool) -> tuple[ClientState | None, list[str] | None, list[Any]]:
+        """What ``worker_final`` keeps per client of a FINAL's results: its state, its answered ids
+        while it is young (``_answered``), and the FINAL list its results go into (for sealed
+        results a ``SplicedFinal``: each spliced as it is written)."""
+        client = self.clients.get(identity)
+        remember = None if client is None or client.finished is None else client.finished.ids
+        out = self.outbox.sealed_finals_to(identity) if sealed else self.outbox.items_to(CLIENT, identity, p.FINAL)
+        return client, remember, out
 
     def _observe_version(self, job: Job, result: AnyResult, fleet: int) -> None:
         """The staleness of a finished job's samples not all of the fleet's version: ``n`` of

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import pytest
 
 from zmq_rollout import codec
@@ -35,10 +34,10 @@ def job(job_id: str = "j", **fields: Any) -> p.JobSpec:
 
 
 def sent_to(sent: Sent, side: int, command: bytes) -> list[Any]:
-    items = [item for s, _, c, b in sent if (s, c) == (side, command) for item in b]
-    if (side, command) == (CLIENT, p.FINAL):  # as the client decodes them (a sealed one is raw)
-        return msgspec.msgpack.decode(codec.encode_body(items), type=list[p.Result])
-    return items
+    if (side, command) == (CLIENT, p.FINAL):  # as the client decodes them, message by message
+        decoder = codec.Decoder(codec.TO_CLIENT)
+        return [r for s, _, c, b in sent if (s, c) == (side, command) for r in decoder.decode(codec.encode(c, b)).body]
+    return [item for s, _, c, b in sent if (s, c) == (side, command) for item in b]
 
 
 @pytest.fixture(params=[p.FINAL, p.SEALED_FINAL], ids=["final", "sealed_final"])

@@ -109,6 +109,77 @@ def test_the_samples_of_a_sealed_result_that_does_not_decode_are_nil() -> None:
     assert msgspec.msgpack.decode(good.samples, type=list[p.Sample]) == [SAMPLE, SAMPLE]
 
 
+# -- a client's FINAL of sealed results, spliced as it is written (SplicedFinal) ---------------
+def relayed_sealed(*tickets: int) -> list[p.SealedResult]:
+    return FROM_WORKER.decode(sealed_final(*(p.seal(result(t)) for t in tickets))).body  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("count", [1, 15, 16, 70_000])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "split"])
+def test_a_spliced_final_is_the_same_bytes_as_the_list_to_client_builds(count: int, packed: bool) -> None:
+    """Array headers of every width (fixarray, array 16, array 32) and job ids of 1 and 40 characters."""
+    sealed = relayed_sealed(*range(1, min(count, 3) + 1))
+    ids = [("j" * (1 + 39 * (i % 2))) + str(i) for i in range(count)]
+    pairs = [(jid, sealed[i % len(sealed)]) for i, jid in enumerate(ids)]
+    spliced = p.SplicedFinal((jid, s.result) for jid, s in pairs)
+    plain = [s.to_client(jid) for jid, s in pairs]
+    assert b"".join(map(bytes, codec.encode(p.FINAL, spliced, packed=packed))) == b"".join(
+        map(bytes, codec.encode(p.FINAL, plain, packed=packed))
+    )
+
+
+def test_a_spliced_final_writes_results_of_every_other_kind_as_the_encoder_does() -> None:
+    (relayed,) = FROM_WORKER.decode(codec.encode(p.FINAL, [result(4)])).body
+    plain_result = result(5)
+    (sealed,) = relayed_sealed(6)
+    spliced = p.SplicedFinal([relayed.to_client("a"), ("b", sealed.result), plain_result])
+    frames = codec.encode(p.FINAL, spliced, packed=True)
+    assert frames == codec.encode(p.FINAL, [relayed, sealed.to_client("b"), plain_result], packed=True)
+    keys = [r.key for r in TO_CLIENT.decode(frames).body]
+    assert keys == ["a", "b", 5]
+
+
+def scheduler_with_jobs(*job_ids: str) -> tuple[Any, dict[str, int]]:
+    from zmq_rollout.broker.scheduler import Scheduler
+
+    s = Scheduler()
+    s.worker_ready(b"w", p.WorkerInfo("w", "m", 8), 0.0)
+    s.submit(b"c", [p.JobSpec(jid, p.SamplingParams(max_tokens=4), "x", ack=False) for jid in job_ids], 0.0)
+    tickets = {a.job.job_id: a.ticket for _, _, cmd, body in s.outbox.take() if cmd == p.JOBS for a in body}
+    return s, tickets
+
+
+def client_finals(sent: list[Any]) -> list[list[p.Result]]:
+    """Each FINAL in ``sent`` (the outbox's), as the client decodes it."""
+    return [TO_CLIENT.decode(codec.encode(cmd, body, packed=True)).body for _, _, cmd, body in sent]
+
+
+def test_sealed_results_reach_the_client_keyed_by_their_job_ids_in_one_final() -> None:
+    s, tickets = scheduler_with_jobs("j1", "j2", "j3")
+    s.worker_final(b"w", relayed_sealed(tickets["j2"], tickets["j1"]), 1.0)
+    s.worker_final(b"w", relayed_sealed(tickets["j3"]), 1.0)  # the same pass: the same FINAL
+    sent = s.outbox.take()
+    (body,) = [body for _, _, cmd, body in sent if cmd == p.FINAL]
+    assert type(body) is p.SplicedFinal and [jid for jid, _ in body] == ["j2", "j1", "j3"]  # spliced when written
+    (final,) = client_finals(sent)
+    assert [r.key for r in final] == ["j2", "j1", "j3"]
+    expected = result(0)
+    assert all((r.prompt_token_ids, r.samples, r.weight_version) == (expected.prompt_token_ids, [SAMPLE, SAMPLE], 3)
+               for r in final)  # fmt: skip
+
+
+@pytest.mark.parametrize("sealed_first", [True, False], ids=["sealed_then_plain", "plain_then_sealed"])
+def test_sealed_and_plain_results_of_one_pass_reach_the_client_in_order(sealed_first: bool) -> None:
+    s, tickets = scheduler_with_jobs("j1", "j2")
+    sealed_message = relayed_sealed(tickets["j1"])
+    plain_message = FROM_WORKER.decode(codec.encode(p.FINAL, [result(tickets["j2"])])).body
+    first, second = (sealed_message, plain_message) if sealed_first else (plain_message, sealed_message)
+    s.worker_final(b"w", first, 1.0)
+    s.worker_final(b"w", second, 1.0)
+    keys = [r.key for final in client_finals(s.outbox.take()) for r in final]
+    assert keys == (["j1", "j2"] if sealed_first else ["j2", "j1"])
+
+
 # -- through a broker ---------------------------------------------------------------------------
 def receive_command(sock: zmq.Socket[Any], decoder: codec.Decoder, command: bytes, timeout: float = 5.0) -> Any:
     """The body of the next message with ``command`` (heartbeats and the like skipped)."""

@@ -68,7 +68,16 @@ from .jobs import (
     StructuredOutput,
     unseal,
 )
-from .relays import SEAL_MIN_TOKENS, DeltaRelay, ResultRelay, SealedResult, final_item, seal, worth_sealing
+from .relays import (
+    SEAL_MIN_TOKENS,
+    DeltaRelay,
+    ResultRelay,
+    SealedResult,
+    SplicedFinal,
+    final_item,
+    seal,
+    worth_sealing,
+)
 from .steps import (
     BACKENDS,
     DTYPE_SIZES,
@@ -112,8 +121,8 @@ __all__ = [
     "DeltaRelay", "ErrorItem", "Evicted", "FinishUpdate", "IpcSource", "JobRelay", "JobSpec", "JobTotals", "JoinGroup",
     "LeaveGroup", "Liveness", "LoadIpc", "LoadIpcTensors",
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
-    "SamplingParams", "SealedAssignment", "SealedResult", "StatusReply", "Struct", "StructuredOutput", "SyncOp",
-    "SyncReply", "SyncStep", "TensorMeta",
+    "SamplingParams", "SealedAssignment", "SealedResult", "SplicedFinal", "StatusReply", "Struct",
+    "StructuredOutput", "SyncOp", "SyncReply", "SyncStep", "TensorMeta",
     "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "final_item", "from_bin", "seal", "to_bin", "unseal",
     "worth_sealing",
 ]  # fmt: skip

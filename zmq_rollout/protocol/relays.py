@@ -8,6 +8,8 @@ worker sends it where the broker reads it and the result is worth it (``final_it
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from .base import DECODE_ERRORS, Struct
@@ -87,6 +89,17 @@ class SealedResult(Struct):
             return _sampled_part.decode(self.result).samples
         except DECODE_ERRORS:
             return NIL
+
+
+class SplicedFinal(list[Any]):
+    """A client's FINAL body as the broker builds it from sealed results: each one a pair
+    ``(job_id, sealed)`` (``sealed``: a ``SealedResult.result``), beside results of any other
+    kind. ``codec.encode`` writes each pair as ``SealedResult.to_client`` would give it, with the
+    job id spliced in as the frame is written: one copy of each result where ``to_client``
+    joined it into bytes that the encoder then copied again (0.43 against 0.95 us a result of
+    512 prompt ids and a 512-token sample)."""
+
+    __slots__ = ()
 
 
 SEAL_MIN_TOKENS = 64
