@@ -21,19 +21,11 @@ import msgspec
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.codec import array_header  # msgpack's header of an array of n items
 from zmq_rollout.submissions import encode_job
 
 _encode = msgspec.msgpack.Encoder().encode
 _MARK = "\x00job-id\x00"
-
-
-def array_header(n: int) -> bytes:
-    """msgpack's header of an array of ``n`` items."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def array_length(body: Any) -> int:

@@ -166,7 +166,7 @@ class Decoder:
         return Message(command, body, blobs)
 
 
-def _array_header(n: int) -> bytes:
+def array_header(n: int) -> bytes:
     """msgpack's shortest header of an array of ``n`` items (as the encoder writes it)."""
     if n < 16:
         return bytes((0x90 | n,))
@@ -180,7 +180,7 @@ def _write_spliced(frame: bytearray, items: list[Any]) -> bytearray:
     ``(job_id, sealed)`` pair as the client's ``Result``, the sealed bytes with ``job_id`` in
     place of their nil key (``SealedResult.to_client``'s splice, written once), every other
     item as the encoder writes it. The same bytes as encoding the list ``to_client`` builds."""
-    frame += _array_header(len(items))
+    frame += array_header(len(items))
     encode_id = _encoder.encode
     for item in items:
         if type(item) is tuple:
