@@ -3,12 +3,48 @@
 from __future__ import annotations
 
 import contextlib
+import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' local ports (and ``bind(0)``'s) from;
+    Linux's default where it cannot be read."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_port(lowest: int = 10_000) -> int:
+    """A port free on loopback now that no connection takes meanwhile: a random one below the
+    kernel's ephemeral range (``ephemeral_ports``), where only an explicit bind takes a port.
+    One the OS picks (``bind(0)``) comes from that range, and any outgoing TCP connection may
+    get it as its local port before the process it is for binds it: a vLLM worker binds its
+    metrics port after a 40 s engine start and died of 'Address already in use' (a clean clone's
+    run of ``test_every_dashboard_query_returns_data_from_a_live_fleet``, seventeenth session).
+    Where the range leaves no room below it, the OS picks."""
+    low, _ = ephemeral_ports()
+    rng = random.Random()
+    for _ in range(200 if low - lowest >= 1000 else 0):
+        port = rng.randrange(lowest, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def poll_until(predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -24,16 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import free_port
 
 SKIP_ENV = "ZMQ_ROLLOUT_NO_PROMETHEUS"
 JOB = "zmq-rollout-broker"
-
-
-def free_port() -> int:
-    """A port free on loopback right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def prometheus_binary() -> str:

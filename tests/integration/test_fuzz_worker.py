@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import scrape
+from helpers import free_port, scrape
 
 from zmq_rollout import protocol as p
 from zmq_rollout.config import WorkerConfig
@@ -35,12 +34,6 @@ that kept anything per hostile message (a task, a reply, a LoRA part) would grow
 ~7 MB sent and more."""
 PROMPT = list(range(5, 65))  # 60 ids: with 2 x 8 sampled, a result worth sealing (p.SEAL_MIN_TOKENS)
 JOB = p.JobSpec("ref", p.SamplingParams(n=2, seed=5, max_tokens=8, ignore_eos=True), prompt_token_ids=PROMPT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import poll_until
-from prometheus_helpers import JOB, Prometheus, free_port, prometheus_binary, start_prometheus_fixture  # noqa: F401
+from helpers import free_port, poll_until
+from prometheus_helpers import JOB, Prometheus, prometheus_binary, start_prometheus_fixture  # noqa: F401
 
 from zmq_rollout import protocol as p
 

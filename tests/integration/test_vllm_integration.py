@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 import zmq
-from helpers import poll_until, scrape
+from helpers import free_port, poll_until, scrape
 
 from zmq_rollout import (
     AsyncRolloutClient,
@@ -42,9 +41,7 @@ PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 7)] for i in range(12)]
 
 
 def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture(scope="module")
