@@ -177,17 +177,13 @@ def array_header(n: int) -> bytes:
 
 def _write_spliced(frame: bytearray, items: list[Any]) -> bytearray:
     """Append the msgpack array of ``items`` (a ``p.SplicedFinal``) to ``frame``: each
-    ``(job_id, sealed)`` pair as the client's ``Result``, the sealed bytes with ``job_id`` in
-    place of their nil key (``SealedResult.to_client``'s splice, written once), every other
-    item as the encoder writes it. The same bytes as encoding the list ``to_client`` builds."""
+    ``(job_id, sealed)`` pair as the client's ``Result`` (``p.splice_into``, written once), every
+    other item as the encoder writes it. The same bytes as encoding the list ``to_client`` builds."""
     frame += array_header(len(items))
-    encode_id = _encoder.encode
+    splice = p.splice_into
     for item in items:
         if type(item) is tuple:
-            job_id, sealed = item
-            frame.append(sealed[0])  # the Result's array header; its nil key (sealed[1]) left out
-            frame += encode_id(job_id)
-            frame += sealed[2:]
+            splice(frame, *item)
         else:
             _encoder.encode_into(item, frame, len(frame))
     return frame

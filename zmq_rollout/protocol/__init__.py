@@ -76,6 +76,7 @@ from .relays import (
     SplicedFinal,
     final_item,
     seal,
+    splice_into,
     worth_sealing,
 )
 from .steps import (
@@ -123,6 +124,6 @@ __all__ = [
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
     "SamplingParams", "SealedAssignment", "SealedResult", "SplicedFinal", "StatusReply", "Struct",
     "StructuredOutput", "SyncOp", "SyncReply", "SyncStep", "TensorMeta",
-    "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "final_item", "from_bin", "seal", "to_bin", "unseal",
-    "worth_sealing",
+    "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "final_item", "from_bin", "seal", "splice_into",
+    "to_bin", "unseal", "worth_sealing",
 ]  # fmt: skip

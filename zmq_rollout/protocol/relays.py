@@ -76,9 +76,8 @@ class SealedResult(Struct):
 
     def to_client(self, job_id: str) -> msgspec.Raw:
         """The client's ``Result``: the sealed one with ``job_id`` for its nil key, spliced in
-        (no decode)."""
-        sealed = self.result
-        return msgspec.Raw(b"".join((sealed[:1], _encode(job_id), sealed[2:])))
+        (no decode; ``splice_into``)."""
+        return msgspec.Raw(splice_into(bytearray(), job_id, self.result))
 
     @property
     def samples(self) -> msgspec.Raw:
@@ -89,6 +88,15 @@ class SealedResult(Struct):
             return _sampled_part.decode(self.result).samples
         except DECODE_ERRORS:
             return NIL
+
+
+def splice_into(frame: bytearray, job_id: str, sealed: memoryview) -> bytearray:
+    """Append to ``frame`` the client's ``Result`` from a ``SealedResult.result``: its array
+    header, ``job_id`` in place of its nil key (``sealed[1]``), the rest as it is."""
+    frame.append(sealed[0])
+    frame += _encode(job_id)
+    frame += sealed[2:]
+    return frame
 
 
 class SplicedFinal(list[Any]):
