@@ -94,6 +94,24 @@ class Cpu:
         return {k: round(after[k] - before.get(k, 0.0), 3) for k in after}
 
 
+def identical(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many of two batches' token sequences (the first sample of each prompt, in order) match
+    exactly."""
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+def identity_line(pairs: list[dict[str, Any]], prompts: int) -> str:
+    """Identical sequences per pair: service against direct, and, where ``direct_frozen`` ran, the
+    control: direct against direct_frozen, one engine with the same prompts and seeds in batches
+    scheduled apart. A control as low as the service's says the differences are the engine's
+    (sampling at temperature 1 on batches made up differently), not the service's."""
+    service = ", ".join(str(pr["identical_sequences"]) for pr in pairs)
+    line = f"identical sequences of {prompts}: service vs direct {service}"
+    if pairs and all("identical_direct_frozen" in pr for pr in pairs):
+        line += "; direct vs direct_frozen (control) " + ", ".join(str(pr["identical_direct_frozen"]) for pr in pairs)
+    return line
+
+
 def physical_cores() -> list[list[int]]:
     """Logical CPUs grouped by physical core (SMT siblings together), among those we may use."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -249,22 +267,28 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
                     order = ("service", "direct")
                 rows = {side: await measure(side, *batch) for side in order}
                 firsts = {side: row.pop("first_tokens") for side, row in rows.items()}
-                same = sum(a == b for a, b in zip(firsts["direct"], firsts["service"], strict=True))
+                same = identical(firsts["direct"], firsts["service"])
                 ratio = rows["service"]["tokens_per_s"] / rows["direct"]["tokens_per_s"]
+                control: dict[str, int] = {}
                 if "direct_frozen" in rows:
                     frozen = rows["direct_frozen"]["tokens_per_s"] / rows["direct"]["tokens_per_s"]
-                    log(f"  pair {k + 1}: direct with its heap frozen / direct {frozen:.2%}")
+                    # The control: the same engine, seeds and prompts, batches scheduled apart.
+                    control["identical_direct_frozen"] = identical(firsts["direct"], firsts["direct_frozen"])
+                    log(
+                        f"  pair {k + 1}: direct with its heap frozen / direct {frozen:.2%}; identical sequences "
+                        f"direct vs direct_frozen (one engine) {control['identical_direct_frozen']}/{len(batch[1])}"
+                    )
                 log(f"  pair {k + 1} ({' then '.join(order)}): service/direct {ratio:.2%}; "
                     f"identical sequences {same}/{len(batch[1])}")  # fmt: skip
                 pairs.append({"pair": k + 1, "order": list(order), "ratio": round(ratio, 4),
-                              "identical_sequences": same, **rows})  # fmt: skip
+                              "identical_sequences": same, **control, **rows})  # fmt: skip
     finally:
         if llm is not None:
             llm.shutdown()
         cluster.stop()
     ratios = [pr["ratio"] for pr in pairs]
     return {"vllm_version": vllm.__version__, "service_startup_s": round(service_startup, 1), "pinned": pinned,
-            "direct_startup_s": round(direct_startup, 1), "pairs": pairs,
+            "direct_startup_s": round(direct_startup, 1), "pairs": pairs, "prompts": args.num_prompts,
             "ratio_min": min(ratios), "ratio_median": round(statistics.median(ratios), 4),
             "pairs_at_goal": sum(r >= 0.98 for r in ratios)}  # fmt: skip
 
@@ -284,6 +308,8 @@ def report(data: dict[str, Any]) -> None:
         )
         print(f"{pr['pair']:>4} {order:>16} {d['tokens_per_s']:>13,.0f} {s['tokens_per_s']:>14,.0f} "
               f"{pr['ratio']:>7.2%}   {cpu}; GC {gc_s}")  # fmt: skip
+    if data["pairs"]:
+        print(identity_line(data["pairs"], data["prompts"]))
     verdict = "MET" if data["pairs_at_goal"] == len(data["pairs"]) and len(data["pairs"]) >= 3 else "NOT MET"
     print(f"ratio service/direct: min {data['ratio_min']:.2%}, median {data['ratio_median']:.2%}; "
           f"{data['pairs_at_goal']}/{len(data['pairs'])} pairs >= 98% -> goal {verdict}")  # fmt: skip
