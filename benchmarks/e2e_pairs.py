@@ -133,12 +133,20 @@ def pin(pid: int, cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
-def pin_all(cpu: Cpu) -> dict[str, list[int]]:
-    """This process, the worker, and each engine core on physical cores of their own (all
-    their SMT siblings, and no other process's), as many each as there are for four."""
-    cores = physical_cores()
+def core_groups(cores: list[list[int]], swap: bool = False) -> list[list[int]]:
+    """Four groups of whole physical cores, in ``pin_all``'s order: this process, direct's engine
+    core, the worker, the worker's engine core. ``swap``: the service's two groups and direct's
+    trade places. An empty group where there are fewer than four cores."""
     share = max(1, len(cores) // 4)
     groups = [sorted(c for core in cores[i * share : (i + 1) * share] for c in core) for i in range(4)]
+    return groups[2:] + groups[:2] if swap else groups
+
+
+def pin_all(cpu: Cpu, swap: bool = False) -> dict[str, list[int]]:
+    """This process, the worker, and each engine core on physical cores of their own (all
+    their SMT siblings, and no other process's), as many each as there are for four
+    (``core_groups``; ``swap``: the service's and direct's trade cores)."""
+    groups = core_groups(physical_cores(), swap)
     if not all(groups):
         return {}
     worker_kids = cpu.worker.children(recursive=True)
@@ -190,7 +198,7 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
         else:
             assert cluster.broker_proc is not None
             cpu = Cpu(cluster.workers["worker-0"].pid, cluster.broker_proc.pid)
-        pinned = pin_all(cpu) if args.pin else {}
+        pinned = pin_all(cpu, args.pin_swap) if args.pin else {}
         log(f"pairs: pinned {pinned}" if pinned else "pairs: not pinned")
         work = batches(args)
         async with AsyncRolloutClient(cluster.address, timeout_s=args.batch_timeout,

@@ -334,6 +334,12 @@ def main() -> None:
         help="pairs: each hot process on physical cores of its own",
     )
     ap.add_argument(
+        "--pin-swap",
+        action="store_true",
+        help="pairs: the service's processes on the cores direct's get by default, and direct's on the "
+        "service's (does a gap between the sides follow the cores?)",
+    )
+    ap.add_argument(
         "--py-spy",
         default=None,
         metavar="PATH",

@@ -32,3 +32,11 @@ def test_the_control_is_printed_only_where_every_pair_ran_direct_frozen() -> Non
     assert line == "identical sequences of 512: service vs direct 488, 79; direct vs direct_frozen (control) 470, 81"
     line = e2e_pairs.identity_line([{"identical_sequences": 500}, pairs[1]], 512)
     assert line == "identical sequences of 512: service vs direct 500, 79"
+
+
+def test_core_groups_give_each_hot_process_whole_cores_and_swap_the_sides() -> None:
+    cores = [[0, 16], [1, 17], [2, 18], [3, 19], [4, 20], [5, 21], [6, 22], [7, 23]]
+    me, direct_core, worker, worker_core = e2e_pairs.core_groups(cores)
+    assert (me, direct_core, worker, worker_core) == ([0, 1, 16, 17], [2, 3, 18, 19], [4, 5, 20, 21], [6, 7, 22, 23])
+    assert e2e_pairs.core_groups(cores, swap=True) == [worker, worker_core, me, direct_core]
+    assert e2e_pairs.core_groups([[0], [1], [2]])[3] == []  # fewer than four cores: pin_all pins nothing
