@@ -256,9 +256,10 @@ def wait_gpu_free(limit_mib: int = 2048, timeout: float = 90.0) -> None:
         time.sleep(1.0)
 
 
-def child(args: argparse.Namespace, phase: str, out: Path, timeout: float) -> dict[str, Any]:
-    """Run one phase of this script in a fresh process; returns its JSON."""
-    argv = [sys.executable, str(HERE), "--phase", phase, "--phase-out", str(out)]
+def phase_argv(args: argparse.Namespace) -> list[str]:
+    """``args`` as a command line again, for a phase's process: a flag per option, a bool as
+    ``--x`` or ``--no-x`` (so every bool option is a ``BooleanOptionalAction``)."""
+    argv: list[str] = []
     for key, value in vars(args).items():
         if key in ("phase", "phase_out"):
             continue
@@ -267,6 +268,12 @@ def child(args: argparse.Namespace, phase: str, out: Path, timeout: float) -> di
             argv.append(flag if value else "--no-" + key.replace("_", "-"))
         elif value is not None:
             argv += [flag, str(value)]
+    return argv
+
+
+def child(args: argparse.Namespace, phase: str, out: Path, timeout: float) -> dict[str, Any]:
+    """Run one phase of this script in a fresh process; returns its JSON."""
+    argv = [sys.executable, str(HERE), "--phase", phase, "--phase-out", str(out), *phase_argv(args)]
     log(f"phase {phase}: {' '.join(argv)}")
     started = time.monotonic()
     proc = subprocess.run(argv, timeout=timeout, check=False)
@@ -292,6 +299,17 @@ SIDES = {"direct", "service", "direct_frozen"}
 
 
 def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
+    sides = args.sides.split(",")
+    if sides[:2] != ["direct", "service"] or len(set(sides)) != len(sides) or not set(sides) <= SIDES:
+        # checked here, not minutes later when the pairs phase has built the model and both engines
+        ap.error(f"--sides {args.sides!r}: direct,service first, then optionally direct_frozen")
+    main_with(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    """This script's options (each phase's process gets them back through ``phase_argv``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=False,
                     help="a tiny shape (hidden 128, 2 layers, same vocabulary) for a quick CPU check")  # fmt: skip
@@ -335,7 +353,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--pin-swap",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="pairs: the service's processes on the cores direct's get by default, and direct's on the "
         "service's (does a gap between the sides follow the cores?)",
     )
@@ -360,11 +379,10 @@ def main() -> None:
     ap.add_argument("--json-out", default=None, help="also write the RESULT json here")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    sides = args.sides.split(",")
-    if sides[:2] != ["direct", "service"] or len(set(sides)) != len(sides) or not set(sides) <= SIDES:
-        # checked here, not minutes later when the pairs phase has built the model and both engines
-        ap.error(f"--sides {args.sides!r}: direct,service first, then optionally direct_frozen")
+    return ap
+
+
+def main_with(args: argparse.Namespace) -> None:
     work = Path(args.work_dir)
     args.log_dir = args.log_dir or str(work / "logs")
     if args.tiny:

@@ -1,5 +1,7 @@
-"""``benchmarks/e2e_pairs.py``: identical sequences per pair, the service's against direct and
-the control's (direct against direct_frozen: one engine, batches scheduled apart)."""
+"""``benchmarks/gpu_e2e.py --phases pairs`` (``e2e_pairs.py``) without a GPU: identical sequences
+per pair, the service's against direct and the control's (direct against direct_frozen: one
+engine, batches scheduled apart); the cores each side is pinned to; the options a phase's
+process gets back."""
 
 from __future__ import annotations
 
@@ -40,3 +42,16 @@ def test_core_groups_give_each_hot_process_whole_cores_and_swap_the_sides() -> N
     assert (me, direct_core, worker, worker_core) == ([0, 1, 16, 17], [2, 3, 18, 19], [4, 5, 20, 21], [6, 7, 22, 23])
     assert e2e_pairs.core_groups(cores, swap=True) == [worker, worker_core, me, direct_core]
     assert e2e_pairs.core_groups([[0], [1], [2]])[3] == []  # fewer than four cores: pin_all pins nothing
+
+
+def test_every_option_reaches_a_phase_process_as_it_was_given() -> None:
+    import gpu_e2e
+
+    parser = gpu_e2e.parser()
+    given = ["--shape", "7b", "--no-eager", "--pin-swap", "--sides", "direct,service,direct_frozen", "--repeats", "3"]
+    args = parser.parse_args(given)
+    again = parser.parse_args(gpu_e2e.phase_argv(args))  # exits 2 on an option a phase cannot take back
+    assert vars(again) == vars(args)
+    assert again.pin_swap is True and again.eager is False and again.shape == "7b"
+    default = parser.parse_args([])
+    assert vars(parser.parse_args(gpu_e2e.phase_argv(default))) == vars(default)
