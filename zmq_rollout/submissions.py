@@ -11,7 +11,6 @@ futures of jobs a caller gave up on as seen (their later cancellation is expecte
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -26,15 +25,41 @@ FRAME_OVERHEAD = 64  # signature, command, the list's header: what a SUBMIT adds
 
 
 def encode_job(job: p.JobSpec, token_bins: bool) -> bytes:
-    """``job`` as a SUBMIT carries it: with ``token_bins`` (the broker reads them), its prompt's
-    token ids as a token bin (``p.to_bin``; an id that does not fit one keeps the array)."""
+    """``job`` as a SUBMIT carries it: its sampling trimmed (``sampling_wire``) and, with
+    ``token_bins`` (the broker reads them), its prompt's token ids as a token bin (``p.to_bin``;
+    an id that does not fit one keeps the array)."""
+    job = job.__copy__()  # type: ignore[attr-defined]  # msgspec's copy: not checked again, only forms change
+    job.sampling = sampling_wire(job.sampling)  # type: ignore[assignment]  # the same value, encoded
     ids = job.prompt_token_ids
     if token_bins and ids is not None:
         data = p.to_bin(ids)  # type: ignore[arg-type]  # a JobSpec holds a list (its bytes are opened)
         if data is not None:
-            job = copy.copy(job)  # not checked again: only the ids' form changes
             job.prompt_token_ids = data
     return _encoder.encode(job)
+
+
+_sampling_decoder = msgspec.msgpack.Decoder(p.SamplingParams)
+_last_sampling: list[tuple[p.SamplingParams, msgspec.Raw]] = [(p.SamplingParams(), msgspec.Raw(b"\x90"))]
+_trimmed: dict[bytes, msgspec.Raw] = {}
+_TRIMMED_MAX = 1024
+
+
+def sampling_wire(sampling: p.SamplingParams) -> msgspec.Raw:
+    """``sampling`` without its trailing defaults (``p.encode_trimmed``): 1 to 20 bytes where
+    msgspec writes 71, in every job the broker reads and forwards. The last one is remembered
+    as a copy, compared by value (a trainer's jobs share one; a SamplingParams may change
+    between calls, in place too), and others by their full encoding."""
+    last = _last_sampling[0]
+    if sampling == last[0]:
+        return last[1]
+    full = _encoder.encode(sampling)
+    raw = _trimmed.get(full)
+    if raw is None:
+        if len(_trimmed) >= _TRIMMED_MAX:
+            _trimmed.clear()
+        raw = _trimmed[full] = msgspec.Raw(p.encode_trimmed(sampling))
+    _last_sampling[0] = (_sampling_decoder.decode(full), raw)  # a copy that shares no list with ``sampling``
+    return raw
 
 
 def pack_submits(

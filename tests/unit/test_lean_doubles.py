@@ -49,7 +49,8 @@ JOBS = [
 def test_a_submit_template_makes_the_codecs_bytes(job: p.JobSpec, packed: bool) -> None:
     ids = [f"client-{i:x}" for i in range(70)] + ["é" * 40, "é" * 128]  # str8 and str16 headers too
     made = lean.SubmitTemplate(job).frames(ids, packed)
-    expected = codec.encode(p.SUBMIT, [msgspec.structs.replace(job, job_id=i) for i in ids], packed=packed)
+    jobs = [msgspec.Raw(encode_job(msgspec.structs.replace(job, job_id=i), False)) for i in ids]
+    expected = codec.encode(p.SUBMIT, jobs, packed=packed)  # as the client sends them (``pack_submits``)
     assert made == expected
     decoded = codec.Decoder(codec.FROM_CLIENT).decode(made).body
     assert [j.job_id for j in decoded] == ids

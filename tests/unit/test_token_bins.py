@@ -92,14 +92,16 @@ def test_a_bin_becomes_the_array_of_the_same_ids_for_an_older_worker() -> None:
 def test_a_client_sends_a_bin_only_where_the_broker_reads_it() -> None:
     job = p.JobSpec("a", SamplingParams(max_tokens=4), prompt_token_ids=list(range(1000, 1512)))
     as_bin, as_list = encode_job(job, True), encode_job(job, False)
-    assert as_list == msgspec.msgpack.encode(job)
+    assert not is_bin(msgspec.msgpack.decode(as_list, type=p.JobRelay).prompt_token_ids)
+    assert msgspec.msgpack.decode(as_list, type=p.JobSpec) == job
     assert is_bin(msgspec.msgpack.decode(as_bin, type=p.JobRelay).prompt_token_ids)
     assert msgspec.msgpack.decode(as_bin, type=p.JobSpec) == job  # the same job
     assert job.prompt_token_ids == list(range(1000, 1512))  # the caller's job is untouched
     huge = p.JobSpec("h", prompt_token_ids=[1 << 32])  # too big for a bin: an array, for the worker to refuse
-    assert encode_job(huge, True) == msgspec.msgpack.encode(huge)
+    assert not is_bin(msgspec.msgpack.decode(encode_job(huge, True), type=p.JobRelay).prompt_token_ids)
+    assert msgspec.msgpack.decode(encode_job(huge, True), type=p.JobSpec) == huge
     text = p.JobSpec("t", prompt="hi")
-    assert encode_job(text, True) == msgspec.msgpack.encode(text)
+    assert msgspec.msgpack.decode(encode_job(text, True), type=p.JobSpec) == text
     ((_, encoded),) = pack_submits([job], 64, 1 << 20, token_bins=True)
     assert bytes(encoded[0]) == as_bin
 

@@ -28,6 +28,7 @@ from .base import (
     MAX_TOP_LOGPROBS,
     MAX_VERSION,
     Struct,
+    encode_trimmed,
 )
 from .commands import (
     ACCEPTED,
@@ -124,6 +125,6 @@ __all__ = [
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
     "SamplingParams", "SealedAssignment", "SealedResult", "SplicedFinal", "StatusReply", "Struct",
     "StructuredOutput", "SyncOp", "SyncReply", "SyncStep", "TensorMeta",
-    "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "final_item", "from_bin", "seal", "splice_into",
-    "to_bin", "unseal", "worth_sealing",
+    "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "encode_trimmed", "final_item", "from_bin", "seal",
+    "splice_into", "to_bin", "unseal", "worth_sealing",
 ]  # fmt: skip

@@ -326,6 +326,8 @@ def _check_job(job: JobSpec) -> None:
     """The rules a job's own fields follow (its sampling is checked as a SamplingParams)."""
     if not (isinstance(job.job_id, str) and 0 < len(job.job_id) <= MAX_JOB_ID):
         raise ValueError(f"job_id must be a string of 1..{MAX_JOB_ID} characters")
+    if type(job.sampling) is not SamplingParams:
+        raise ValueError(f"sampling must be a SamplingParams, got {type(job.sampling).__name__}")
     prompt, messages, ids = job.prompt, job.messages, job.prompt_token_ids
     if type(ids) is bytes:  # a token bin: the ids as a list from here on
         job.prompt_token_ids = ids = from_bin(ids)
