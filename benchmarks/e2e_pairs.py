@@ -175,7 +175,8 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
     cfg = worker_config(args)
     overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_gib": cfg.kv_cache_gib,
                  "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
-                 "enforce_eager": cfg.enforce_eager, "attention_backend": cfg.attention_backend,
+                 "extra_credits": cfg.extra_credits, "enforce_eager": cfg.enforce_eager,
+                 "attention_backend": cfg.attention_backend,
                  "seed": cfg.seed, "metrics_port": free_port(), "vllm_metrics": args.vllm_metrics}  # fmt: skip
     gc_here = process_clock()  # this process: the client, the broker thread and the direct front end
     os.makedirs(args.log_dir, exist_ok=True)

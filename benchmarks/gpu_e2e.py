@@ -121,7 +121,7 @@ def worker_config(args: argparse.Namespace) -> Any:
 
     return WorkerConfig(model=args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
-                        enforce_eager=args.eager,
+                        enforce_eager=args.eager, extra_credits=args.extra_credits,
                         attention_backend=args.attention_backend or None, seed=0, name="bench-worker")  # fmt: skip
 
 
@@ -211,8 +211,8 @@ def run_service(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = worker_config(args)
     overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_gib": cfg.kv_cache_gib,
-                 "max_model_len": cfg.max_model_len,
-                 "max_num_seqs": cfg.max_num_seqs, "enforce_eager": cfg.enforce_eager,
+                 "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
+                 "extra_credits": cfg.extra_credits, "enforce_eager": cfg.enforce_eager,
                  "attention_backend": cfg.attention_backend, "seed": cfg.seed}  # fmt: skip
     log(f"service: LocalCluster(num_workers=1, worker_overrides={overrides})")
     os.makedirs(args.log_dir, exist_ok=True)
@@ -325,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3, help="measured batches per side (after one warm-up)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--extra-credits", type=int, default=0,
+                    help="the service's worker announces max_num_seqs + this many credits (WorkerConfig.extra_credits)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--attention-backend", default="TRITON_ATTN", help='"" lets vLLM choose (CPU)')
@@ -423,6 +425,7 @@ def main_with(args: argparse.Namespace) -> None:
     workload = {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                 "warmup_max_tokens": args.warmup_max_tokens, "repeats": args.repeats, "temperature": args.temperature,
                 "ignore_eos": True, "seeds": "one per prompt", "max_num_seqs": args.max_num_seqs,
+                "extra_credits": args.extra_credits,
                 "max_model_len": args.max_model_len,
                 "gpu_memory_utilization": args.gpu_memory_utilization,
                 "attention_backend": args.attention_backend or None, "enforce_eager": args.eager,

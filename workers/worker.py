@@ -78,17 +78,21 @@ class Worker:
         self._sock = sock
         self._packed = self._sealed = False  # until this connection's broker says otherwise
         self._last_heard = time.monotonic()
-        info = p.WorkerInfo(
+        info = self.ready_info()
+        self._send_now(p.READY, info)
+        log.info("worker %s: READY to %s with %d credits", self.name, self.config.broker, info.credits)
+
+    def ready_info(self) -> p.WorkerInfo:
+        """What READY says: the credits are the engine's ``max_num_seqs`` plus ``extra_credits``."""
+        return p.WorkerInfo(
             self.name,
             self.config.model,
-            self.engine.max_num_seqs,
+            self.engine.max_num_seqs + self.config.extra_credits,
             self.engine.weight_version,
             self.capabilities(),
             self.engine.max_model_len,
             self.config.tensor_parallel_size,
         )
-        self._send_now(p.READY, info)
-        log.info("worker %s: READY to %s with %d credits", self.name, self.config.broker, info.credits)
 
     def capabilities(self) -> list[str]:
         """What READY tells the broker (and ``status()`` the trainer) this worker can do."""

@@ -153,7 +153,13 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     """GPUs per engine: --gpus 0,1 with 1 runs two engines, with 2 one engine over both."""
     max_num_seqs: int = 64
-    """Sequences one engine runs at once (vLLM's max_num_seqs); the worker announces this many credits."""
+    """Sequences one engine runs at once (vLLM's max_num_seqs); the worker announces this many credits, plus
+    extra_credits."""
+    extra_credits: int = 0
+    """Credits announced beyond max_num_seqs: jobs that wait in the engine's own queue, so that a sequence that ends
+    is followed at the engine's next step, not after a round trip to the broker and the new job's preprocessing
+    (the gap when many sequences end together, as at max_tokens). They are jobs the broker can no longer give to an
+    idle worker instead."""
     max_model_len: int = 2048
     """Longest prompt + completion in tokens."""
     gpu_memory_utilization: float = 0.5
@@ -192,6 +198,11 @@ class WorkerConfig:
     """The broker's public key file (BROKER.key), for a broker that requires CurveZMQ (with curve_secret_key)."""
     curve_secret_key: str = ""
     """This worker's keypair file (NAME.key_secret, from zmq-rollout keys generate; its .key on the broker's list)."""
+
+    def __post_init__(self) -> None:
+        extra = self.extra_credits
+        if not (type(extra) is int and 0 <= extra <= 1 << 16):
+            raise ValueError(f"WorkerConfig.extra_credits must be an int in 0..65536, not {extra!r}")
 
     @property
     def broker_expiry_s(self) -> float:

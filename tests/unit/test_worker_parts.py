@@ -215,3 +215,18 @@ def test_vllm_keeps_statistics_only_for_a_metrics_endpoint_that_serves_them() ->
     assert stat_loggers_for(WorkerConfig(model="m")) == []  # no /metrics
     assert stat_loggers_for(WorkerConfig(model="m", metrics_port=9200)) == [PrometheusStatLogger]
     assert stat_loggers_for(WorkerConfig(model="m", metrics_port=9200, vllm_metrics=False)) == []
+
+
+def test_a_worker_announces_its_engines_sequences_plus_its_extra_credits() -> None:
+    """READY's credits: ``max_num_seqs``, and ``extra_credits`` more for jobs that wait in the
+    engine's own queue; a bad setting is refused by name."""
+    from zmq_rollout.config import WorkerConfig
+    from zmq_rollout.workers.worker import Worker
+
+    engine = SimpleNamespace(max_num_seqs=256, max_model_len=1024, weight_version=3, vllm_metrics=False)
+    assert Worker(WorkerConfig(model="m", name="w"), engine).ready_info().credits == 256  # type: ignore[arg-type]
+    info = Worker(WorkerConfig(model="m", name="w", extra_credits=64), engine).ready_info()  # type: ignore[arg-type]
+    assert (info.credits, info.weight_version, info.max_model_len) == (320, 3, 1024)
+    for bad in (-1, 1.5, 1 << 17):
+        with pytest.raises(ValueError, match=r"WorkerConfig\.extra_credits must be an int in 0\.\.65536"):
+            WorkerConfig(model="m", extra_credits=bad)  # type: ignore[arg-type]
