@@ -325,8 +325,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3, help="measured batches per side (after one warm-up)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--extra-credits", type=int, default=0,
-                    help="the service's worker announces max_num_seqs + this many credits (WorkerConfig.extra_credits)")
+    ap.add_argument(
+        "--extra-credits",
+        type=int,
+        default=0,
+        help="the service's worker announces max_num_seqs + this many credits (WorkerConfig.extra_credits)",
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--attention-backend", default="TRITON_ATTN", help='"" lets vLLM choose (CPU)')

@@ -159,7 +159,9 @@ class WorkerConfig:
     """Credits announced beyond max_num_seqs: jobs that wait in the engine's own queue, so that a sequence that ends
     is followed at the engine's next step, not after a round trip to the broker and the new job's preprocessing
     (the gap when many sequences end together, as at max_tokens). They are jobs the broker can no longer give to an
-    idle worker instead."""
+    idle worker instead, and a wait-mode pause drains them too. 0 by default: on one H100 with the broker on the same
+    host, 256 more did not change the 0.5B pairs (benchmarks/README.md, nineteenth session); a remote broker's
+    round trip is longer."""
     max_model_len: int = 2048
     """Longest prompt + completion in tokens."""
     gpu_memory_utilization: float = 0.5
