@@ -81,6 +81,10 @@ def make_job(
             "a prompt is a string, a non-empty list of token ids, or a list of chat messages; "
             f"got {type(prompt).__name__}"
         )
+    if type(sampling) is not p.SamplingParams:
+        raise InvalidRequestError(
+            f"sampling must be a zmq_rollout.SamplingParams, got {type(sampling).__name__}", job_id=job_id
+        )
     try:
         if not sampling_checked:
             sampling.__post_init__()  # again: a Struct's fields can be reassigned after construction

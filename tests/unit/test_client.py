@@ -114,6 +114,13 @@ def test_make_job_revalidates_sampling_changed_after_construction() -> None:
     assert make_job("job-2", "hi", sampling, sampling_checked=True).sampling.n == 0
 
 
+def test_make_job_refuses_a_sampling_that_is_not_a_sampling_params_by_name() -> None:
+    for bad in ({"n": 1, "max_tokens": 8}, None):
+        with pytest.raises(InvalidRequestError, match=r"sampling must be a zmq_rollout\.SamplingParams, got") as info:
+            make_job("job-1", "hi", bad, sampling_checked=bad is None)  # type: ignore[arg-type]
+        assert info.value.job_id == "job-1"
+
+
 def test_generate_checks_a_batchs_sampling_with_its_first_job() -> None:
     sampling = SamplingParams()
     sampling.n = 0
