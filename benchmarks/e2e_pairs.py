@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 import stack_samples
-from gpu_e2e import batches, log, sampling, summarize, worker_config
+from gpu_e2e import batches, log, sampling, summarize, worker_config, worker_overrides
 from ports import free_port
 
 from zmq_rollout.gc_pauses import GENERATIONS, GcClock, process_clock
@@ -173,11 +173,7 @@ async def run_pairs(args: argparse.Namespace) -> dict[str, Any]:
     from zmq_rollout.workers.sampling import vllm_sampling
 
     cfg = worker_config(args)
-    overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_gib": cfg.kv_cache_gib,
-                 "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
-                 "extra_credits": cfg.extra_credits, "enforce_eager": cfg.enforce_eager,
-                 "attention_backend": cfg.attention_backend,
-                 "seed": cfg.seed, "metrics_port": free_port(), "vllm_metrics": args.vllm_metrics}  # fmt: skip
+    overrides = {**worker_overrides(cfg), "metrics_port": free_port(), "vllm_metrics": args.vllm_metrics}
     gc_here = process_clock()  # this process: the client, the broker thread and the direct front end
     os.makedirs(args.log_dir, exist_ok=True)
     cluster = LocalCluster(args.model, num_workers=1, worker_overrides=overrides, log_dir=args.log_dir,

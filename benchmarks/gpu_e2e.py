@@ -125,6 +125,14 @@ def worker_config(args: argparse.Namespace) -> Any:
                         attention_backend=args.attention_backend or None, seed=0, name="bench-worker")  # fmt: skip
 
 
+def worker_overrides(cfg: Any) -> dict[str, Any]:
+    """The service's worker settings from ``worker_config``, as ``LocalCluster(worker_overrides=)``
+    takes them."""
+    keys = ("gpu_memory_utilization", "kv_cache_gib", "max_model_len", "max_num_seqs", "extra_credits",
+            "enforce_eager", "attention_backend", "seed")  # fmt: skip
+    return {key: getattr(cfg, key) for key in keys}
+
+
 def sampling(args: argparse.Namespace, seed: int | None, max_tokens: int) -> Any:
     from zmq_rollout.protocol import SamplingParams
 
@@ -209,11 +217,7 @@ async def _service_batches(args: argparse.Namespace, address: str) -> tuple[list
 def run_service(args: argparse.Namespace) -> dict[str, Any]:
     from zmq_rollout.local import LocalCluster
 
-    cfg = worker_config(args)
-    overrides = {"gpu_memory_utilization": cfg.gpu_memory_utilization, "kv_cache_gib": cfg.kv_cache_gib,
-                 "max_model_len": cfg.max_model_len, "max_num_seqs": cfg.max_num_seqs,
-                 "extra_credits": cfg.extra_credits, "enforce_eager": cfg.enforce_eager,
-                 "attention_backend": cfg.attention_backend, "seed": cfg.seed}  # fmt: skip
+    overrides = worker_overrides(worker_config(args))
     log(f"service: LocalCluster(num_workers=1, worker_overrides={overrides})")
     os.makedirs(args.log_dir, exist_ok=True)
     # worker_niceness=0: the worker competes for the CPU as the direct engine's process does.

@@ -39,7 +39,9 @@ def encode_job(job: p.JobSpec, token_bins: bool) -> bytes:
 
 
 _sampling_decoder = msgspec.msgpack.Decoder(p.SamplingParams)
-_last_sampling: list[tuple[p.SamplingParams, msgspec.Raw]] = [(p.SamplingParams(), msgspec.Raw(b"\x90"))]
+_last_sampling: list[tuple[p.SamplingParams, msgspec.Raw]] = [
+    (p.SamplingParams(), msgspec.Raw(p.encode_trimmed(p.SamplingParams())))
+]
 _trimmed: dict[bytes, msgspec.Raw] = {}
 _TRIMMED_MAX = 1024
 
