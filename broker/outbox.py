@@ -20,6 +20,9 @@ WORKER = 1
 class Outbox:
     def __init__(self) -> None:
         self._peers: dict[tuple[int, bytes], list[list[Any]]] = {}
+        self._finals: dict[bytes, tuple[tuple[Any, ...], list[list[Any]], list[Any]]] = {}
+        """Per client, until ``take``: what ``keep_final`` gave, the client's segments, and its
+        FINAL list."""
 
     def _segments(self, side: int, identity: bytes) -> list[list[Any]]:
         segments = self._peers.get((side, identity))
@@ -60,10 +63,35 @@ class Outbox:
         segments.append([FINAL, out])
         return out
 
+    def keep_final(self, identity: bytes, kept: tuple[Any, ...], sealed: bool) -> Any:
+        """``kept`` with the client's FINAL list added as its last item (``sealed_finals_to`` with
+        ``sealed``, else ``items_to``), remembered until ``take``: ``kept_final`` gives it back
+        while that list is still the client's last message. So one pass's FINALs, from many
+        workers, go to a client as one message without a lookup of its list (and of what the
+        caller keeps with it) per FINAL: with 64 clients, a worker's FINAL holds results for
+        most of them, one or two each."""
+        out = self.sealed_finals_to(identity) if sealed else self.items_to(CLIENT, identity, FINAL)
+        part = (*kept, out)
+        self._finals[identity] = (part, self._peers[(CLIENT, identity)], out)
+        return part
+
+    def kept_final(self, identity: bytes) -> Any:
+        """What ``keep_final`` gave for ``identity``, while nothing went to that client after its
+        FINAL list since (else None): its results may still go into that list."""
+        entry = self._finals.get(identity)
+        if entry is not None and entry[1][-1][1] is entry[2]:
+            return entry[0]
+        return None
+
+    def forget_final(self, identity: bytes) -> None:
+        """Drop what ``keep_final`` kept for ``identity`` (its state is gone or changed)."""
+        self._finals.pop(identity, None)
+
     def take(self) -> list[tuple[int, bytes, bytes, Any]]:
         """Everything pending as ``(side, identity, command, body)``; in order for each peer,
         workers first (their JOBS start work; a client's ACCEPTED can wait microseconds)."""
         peers, self._peers = self._peers, {}
+        self._finals.clear()
         ordered = sorted(peers.items(), key=lambda kv: kv[0][0] != WORKER)
         return [(side, ident, cmd, body) for (side, ident), segments in ordered for cmd, body in segments]
 

@@ -17,7 +17,6 @@ from typing import Any
 from zmq_rollout import protocol as p
 
 from .dispatch import Dispatch
-from .outbox import CLIENT
 from .staleness import observe_crossing, oldest_version
 from .state import ClientId, ClientState, Job, Submission, WorkerId, WorkerState, tally_finished
 from .sync import SyncCoordinator
@@ -117,11 +116,14 @@ class Results(Dispatch):
     def _final_part(self, identity: ClientId, sealed: bool) -> tuple[ClientState | None, list[str] | None, list[Any]]:
         """What ``worker_final`` keeps per client of a FINAL's results: its state, its answered ids
         while it is young (``_answered``), and the FINAL list its results go into (for sealed
-        results a ``SplicedFinal``: each spliced as it is written)."""
+        results a ``SplicedFinal``: each spliced as it is written). Made once per client per
+        outbox take, while that list stays the client's last message (``Outbox.keep_final``)."""
+        part = self.outbox.kept_final(identity)
+        if part is not None:
+            return part
         client = self.clients.get(identity)
         remember = None if client is None or client.finished is None else client.finished.ids
-        out = self.outbox.sealed_finals_to(identity) if sealed else self.outbox.items_to(CLIENT, identity, p.FINAL)
-        return client, remember, out
+        return self.outbox.keep_final(identity, (client, remember), sealed)
 
     def _observe_version(self, job: Job, result: AnyResult, fleet: int) -> None:
         """The staleness of a finished job's samples not all of the fleet's version: ``n`` of

@@ -154,6 +154,7 @@ class Scheduler(Results):
         client = self.clients.pop(identity, None)
         if client is None:
             return
+        self.outbox.forget_final(identity)  # its state, kept with a FINAL list (``Results._final_part``)
         self.sync.client_gone(identity, now)
         dropped = list(client.jobs)
         for jid in dropped:
@@ -267,6 +268,7 @@ class Scheduler(Results):
         for client in self.clients.values():
             if client.finished is not None and now - client.since > cfg.client_expiry_s:
                 client.finished = None  # past the time a resubmission comes in
+                self.outbox.forget_final(client.identity)
         self.sync.tick(now)
         self._heap.invalidate()  # a safety net: whatever changed unseen is seen within a tick
         self.affinity.expire(now)

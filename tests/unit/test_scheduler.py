@@ -957,3 +957,85 @@ def test_queue_wait_and_latency_are_each_jobs_own_over_passes_and_finals_of_inte
     assert len(waits) == len(latencies) == 7 and s.stats.completed == 7
     assert wait.count == 7 and wait.total == pytest.approx(sum(waits))
     assert latency.count == 7 and latency.total == pytest.approx(sum(latencies))
+
+
+def _to_client(sent: Sent, peer: bytes) -> list[tuple[bytes, list[str]]]:
+    """What went to ``peer`` in one drain: each message's command and its items' keys."""
+    return [
+        (cmd, [getattr(item, "key", item) for item in items])
+        for side, ident, cmd, items in sent
+        if (side, ident) == (CLIENT, peer)
+    ]
+
+
+def test_one_pass_of_finals_from_many_workers_reaches_each_client_as_one_final() -> None:
+    """The FINAL list a client's results go into is kept from one worker FINAL to the next until
+    the outbox is taken (``Outbox.keep_final``): results read after a take go into the next
+    take's message, none into one already sent."""
+    s = make()
+    ready(s, W1, 2)
+    ready(s, W2, 2)
+    s.submit(A, jobs("a", 2), now=0.0)
+    s.submit(B, jobs("b", 2), now=0.0)
+    sent = s.outbox.take()
+    on_w1, on_w2 = assigned(sent, W1), assigned(sent, W2)
+    assert sorted(a.job.job_id[0] for a in on_w1) == sorted(a.job.job_id[0] for a in on_w2) == ["a", "b"]
+    for first in (True, False):  # each worker answers one job of each client per take
+        for worker, on in ((W1, on_w1), (W2, on_w2)):
+            finish(s, worker, [a for a in on if (a.job.job_id[0] == "a") == (first == (worker == W1))])
+        taken = s.outbox.take()
+        sent_to = {peer: _to_client(taken, peer) for peer in (A, B)}  # as the server sends it: encoded at once
+        if first:
+            earlier, earlier_to = taken, sent_to
+        for peer in (A, B):
+            assert len(sent_to[peer]) == 1 and sent_to[peer][0][0] == p.FINAL and len(sent_to[peer][0][1]) == 1
+    assert {peer: _to_client(earlier, peer) for peer in (A, B)} == earlier_to  # nothing added once taken
+    assert s.stats.completed == 4 and not s.clients[A].jobs and not s.clients[B].jobs
+
+
+def test_two_workers_finals_for_one_client_in_one_pass_are_one_message() -> None:
+    s = make()
+    ready(s, W1, 1)
+    ready(s, W2, 1)
+    s.submit(A, jobs("a", 2), now=0.0)
+    sent = s.outbox.take()
+    finish(s, W1, assigned(sent, W1))
+    finish(s, W2, assigned(sent, W2))
+    assert _to_client(s.outbox.take(), A) == [(p.FINAL, assigned_ids(sent, W1) + assigned_ids(sent, W2))]
+
+
+def test_a_message_to_a_client_between_two_finals_keeps_its_place() -> None:
+    """A result read after something else went to its client goes into a FINAL after that
+    message, not into the FINAL list before it (order per peer)."""
+    s = make()
+    ready(s, W1, 1)
+    ready(s, W2, 1)
+    s.submit(A, jobs("a", 2), now=0.0)
+    sent = s.outbox.take()
+    (on_w1,), (on_w2,) = assigned(sent, W1), assigned(sent, W2)
+    finish(s, W1, [on_w1])
+    s.submit(A, [job(on_w2.job.job_id)], now=1.0)  # still running on W2: refused as a duplicate
+    finish(s, W2, [on_w2])
+    assert _to_client(s.outbox.take(), A) == [
+        (p.FINAL, [on_w1.job.job_id]),
+        (p.ERROR, [on_w2.job.job_id]),
+        (p.FINAL, [on_w2.job.job_id]),
+    ]
+
+
+def test_a_client_gone_mid_pass_takes_its_kept_final_list_with_it() -> None:
+    """A client that goes and comes back between two FINALs of one pass is a new client: its
+    new job's result finishes the new state's job, not the old state's (``forget_final``)."""
+    s = make()
+    ready(s, W1, 1)
+    s.submit(A, [job("a0")], now=0.0)
+    (first,) = assigned(s.outbox.take(), W1)
+    finish(s, W1, [first])
+    s.client_gone(A, "test", now=1.0)
+    s.submit(A, [job("a9", ack=False)], now=1.0)  # back at once: nothing sent to it yet
+    (ticket,) = s.workers[W1].running  # dispatched at once; the outbox not yet taken
+    s.worker_final(W1, [p.Result(ticket, [1], [], 0, "w1")], 1.0)
+    assert not s.clients[A].jobs  # a9 answered and forgotten
+    assert [ids for cmd, ids in _to_client(s.outbox.take(), A)] == [["a0", "a9"]]
+    s.submit(A, [job("a9")], now=2.0)  # so the same id is a new job, not one in flight
+    assert body(s.outbox.take(), CLIENT, A, p.ACCEPTED) == ["a9"]
