@@ -993,12 +993,18 @@ def test_one_pass_of_finals_from_many_workers_reaches_each_client_as_one_final()
     assert s.stats.completed == 4 and not s.clients[A].jobs and not s.clients[B].jobs
 
 
-def test_two_workers_finals_for_one_client_in_one_pass_are_one_message() -> None:
+def _two_jobs_on_two_workers() -> tuple[Scheduler, Sent]:
+    """A scheduler whose two workers of one credit each run one of client A's two jobs, and
+    what it sent them."""
     s = make()
     ready(s, W1, 1)
     ready(s, W2, 1)
     s.submit(A, jobs("a", 2), now=0.0)
-    sent = s.outbox.take()
+    return s, s.outbox.take()
+
+
+def test_two_workers_finals_for_one_client_in_one_pass_are_one_message() -> None:
+    s, sent = _two_jobs_on_two_workers()
     finish(s, W1, assigned(sent, W1))
     finish(s, W2, assigned(sent, W2))
     assert _to_client(s.outbox.take(), A) == [(p.FINAL, assigned_ids(sent, W1) + assigned_ids(sent, W2))]
@@ -1007,11 +1013,7 @@ def test_two_workers_finals_for_one_client_in_one_pass_are_one_message() -> None
 def test_a_message_to_a_client_between_two_finals_keeps_its_place() -> None:
     """A result read after something else went to its client goes into a FINAL after that
     message, not into the FINAL list before it (order per peer)."""
-    s = make()
-    ready(s, W1, 1)
-    ready(s, W2, 1)
-    s.submit(A, jobs("a", 2), now=0.0)
-    sent = s.outbox.take()
+    s, sent = _two_jobs_on_two_workers()
     (on_w1,), (on_w2,) = assigned(sent, W1), assigned(sent, W2)
     finish(s, W1, [on_w1])
     s.submit(A, [job(on_w2.job.job_id)], now=1.0)  # still running on W2: refused as a duplicate
