@@ -20,9 +20,9 @@ WORKER = 1
 class Outbox:
     def __init__(self) -> None:
         self._peers: dict[tuple[int, bytes], list[list[Any]]] = {}
-        self._finals: dict[bytes, tuple[tuple[Any, ...], list[list[Any]], list[Any]]] = {}
-        """Per client, until ``take``: what ``keep_final`` gave, the client's segments, and its
-        FINAL list."""
+        self._finals: dict[bytes, tuple[tuple[Any, ...], list[list[Any]]]] = {}
+        """Per client, until ``take``: what ``keep_final`` gave (its FINAL list last) and the
+        client's segments."""
 
     def _segments(self, side: int, identity: bytes) -> list[list[Any]]:
         segments = self._peers.get((side, identity))
@@ -72,14 +72,14 @@ class Outbox:
         most of them, one or two each."""
         out = self.sealed_finals_to(identity) if sealed else self.items_to(CLIENT, identity, FINAL)
         part = (*kept, out)
-        self._finals[identity] = (part, self._peers[(CLIENT, identity)], out)
+        self._finals[identity] = (part, self._peers[(CLIENT, identity)])
         return part
 
     def kept_final(self, identity: bytes) -> Any:
         """What ``keep_final`` gave for ``identity``, while nothing went to that client after its
         FINAL list since (else None): its results may still go into that list."""
         entry = self._finals.get(identity)
-        if entry is not None and entry[1][-1][1] is entry[2]:
+        if entry is not None and entry[1][-1][1] is entry[0][-1]:
             return entry[0]
         return None
 
