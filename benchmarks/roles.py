@@ -58,7 +58,7 @@ RL trainer sends them) instead of ``PROMPT``; 0, the default: ``PROMPT``."""
 def bench_job(job_id: str) -> p.JobSpec:
     """A job as the benchmark's clients send it."""
     if PROMPT_TOKENS:
-        return p.JobSpec(job_id, SAMPLING, prompt_token_ids=_prompt_ids(PROMPT_TOKENS), ack=ACK)
+        return p.JobSpec(job_id, SAMPLING, prompt_token_ids=prompt_ids(PROMPT_TOKENS), ack=ACK)
     return p.JobSpec(job_id, SAMPLING, PROMPT, ack=ACK)
 
 
@@ -87,7 +87,7 @@ def _sample(n: int) -> tuple[list[int], list[float]]:
 
 
 @functools.cache
-def _prompt_ids(n: int) -> list[int]:
+def prompt_ids(n: int) -> list[int]:
     """``n`` token ids of a 150k vocabulary, of 1-3 msgpack bytes each, as a real one's."""
     return [(i * 7919) % 150_000 for i in range(n)]
 

@@ -12,8 +12,8 @@ session_id, min_weight_version, max_staleness, on_stale, stream, resubmitted, ac
 fields the broker reads outside the bin and the bytes it only forwards inside it. The JOBS
 item for a worker becomes ``[ticket, job bin]``.
 
-Per round, one SUBMIT of 64 jobs (``roles.bench_job``: 100-character prompts, or with
-``--prompt-tokens N`` N token ids, as a token bin with ``--token-bins``) is decoded and its 64
+Per round, one SUBMIT of 64 jobs (``roles.PROMPT``, 100 characters, or with
+``--prompt-tokens N`` N token ids (``roles.prompt_ids``), as a token bin with ``--token-bins``) is decoded and its 64
 assignments encoded, both ways, interleaved; each way is timed by this thread's CPU time,
 best of ``--samples``. Prints us per job for decoding and encoding, each way, the bytes of a
 SUBMIT, and the ratio sealed / today. What it leaves out, and what a real SEALED_SUBMIT
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
+from roles import PROMPT, SAMPLING, prompt_ids
 
 from zmq_rollout import protocol as p
 from zmq_rollout.codec import array_header
@@ -77,13 +78,11 @@ def best(fn: Callable[[], Any], rounds: int, samples: int) -> float:
 
 
 def measure(rounds: int, samples: int, prompt_tokens: int, token_bins: bool) -> dict[str, Any]:
-    ids = [(i * 7919) % 150_000 for i in range(prompt_tokens)]
-    sampling = p.SamplingParams(max_tokens=16)
-    prompt = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(100)
+    ids = prompt_ids(prompt_tokens)
     jobs = [
-        p.JobSpec(f"j1234-{i}", sampling, prompt_token_ids=ids, ack=False)
+        p.JobSpec(f"j1234-{i}", SAMPLING, prompt_token_ids=ids, ack=False)
         if prompt_tokens
-        else p.JobSpec(f"j1234-{i}", sampling, prompt, ack=False)
+        else p.JobSpec(f"j1234-{i}", SAMPLING, PROMPT, ack=False)
         for i in range(BATCH)
     ]
     today, sealed = submit_bodies(jobs, token_bins)

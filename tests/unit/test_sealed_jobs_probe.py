@@ -16,10 +16,13 @@ import pytest
 from zmq_rollout import protocol as p
 from zmq_rollout.protocol.jobs import sampling_n
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "sealed_jobs.py"
+_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+_PATH = _BENCHMARKS / "sealed_jobs.py"
 
 
 def _probe() -> Any:
+    if str(_BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(_BENCHMARKS))  # as when run from there: it imports ``roles``
     spec = importlib.util.spec_from_file_location("sealed_jobs", _PATH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
