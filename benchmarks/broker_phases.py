@@ -53,7 +53,7 @@ def run(
     s = Scheduler(BrokerConfig())
     s.defer_dispatch = True
     for w in range(workers):
-        s.worker_ready(f"w{w}".encode(), p.WorkerInfo(f"w{w}", "model", BATCH, 0, [p.TOKEN_BINS]), 0.0)
+        s.worker_ready(f"w{w}".encode(), p.WorkerInfo(f"w{w}", "model", BATCH, 0, [p.TOKEN_BINS, p.SEALED_JOBS]), 0.0)
     s.set_dispatch_step(pack_step)
     s.flush_dispatch(0.0)
     s.outbox.take()

@@ -42,20 +42,24 @@ def array_length(body: Any) -> int:
 
 class SubmitTemplate:
     """SUBMIT messages of copies of ``job``, each under its own id; its token ids as a token bin
-    with ``token_bins`` (``zmq_rollout.submissions.encode_job``)."""
+    with ``token_bins`` (``zmq_rollout.submissions.encode_job``); SEALED_SUBMIT with ``sealed``
+    (``p.SealedJob``: the id twice, in the job and in its copy)."""
 
-    def __init__(self, job: p.JobSpec, token_bins: bool = False) -> None:
+    def __init__(self, job: p.JobSpec, token_bins: bool = False, sealed: bool = False) -> None:
         marked = msgspec.structs.replace(job, job_id=_MARK)
-        head, *rest = encode_job(marked, token_bins).split(_encode(_MARK))
-        if len(rest) != 1:
-            raise ValueError("the job's bytes hold its id's marker more than once")
-        self._head, self._tail = head, rest[0]
+        raw = encode_job(marked, token_bins)
+        if sealed:
+            raw = _encode(p.SealedJob.of(marked, raw))
+        self._pieces = raw.split(_encode(_MARK))
+        if len(self._pieces) != 2 + sealed:
+            raise ValueError("the job's bytes hold its id's marker more often than its id")
+        self.command = p.SEALED_SUBMIT if sealed else p.SUBMIT
 
     def frames(self, job_ids: Sequence[str], packed: bool) -> list[bytes]:
         """A SUBMIT of the template's job under each of ``job_ids``, in either form."""
-        head, tail = self._head, self._tail
-        body = b"".join([array_header(len(job_ids)), *(b"".join((head, _encode(j), tail)) for j in job_ids)])
-        return _frames(p.SUBMIT, body, packed)
+        pieces = self._pieces
+        body = b"".join([array_header(len(job_ids)), *(_encode(j).join(pieces) for j in job_ids)])
+        return _frames(self.command, body, packed)
 
 
 class AnswerTemplate:

@@ -16,22 +16,22 @@ import contextlib
 import ctypes
 import functools
 import logging
+import operator
 import os
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import lean_doubles as lean
-import msgspec
 import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.batching import append
-from zmq_rollout.submissions import encode_job
+from zmq_rollout.submissions import pack_submits, submit_command
 from zmq_rollout.testing import echo_result
 
 PROMPT = "Solve step by step: a train leaves at 9:40 and travels 210 km at 84 km/h. When?".ljust(100)
@@ -216,7 +216,6 @@ def wire_fingerprint() -> dict[str, Any]:
     carries the protocol version, ``ZR1``) and, per direction and command, the JSON schema of
     the body without docstrings; a body whose defaults JSON schema cannot hold (a ``msgspec.Raw``)
     by its ``msgspec.inspect`` type info instead. Self-contained: ``tree_broker`` runs its source too."""
-    import msgspec
     import msgspec.inspect
 
     from zmq_rollout import codec
@@ -584,7 +583,7 @@ def _serve_doubles(
 
 def _ready(name: str, credits: int) -> list[bytes]:
     """A fleet double's READY: it reads token bins (``p.unseal`` opens them) as the worker does."""
-    return codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo", p.TOKEN_BINS]))
+    return codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo", p.TOKEN_BINS, p.SEALED_JOBS]))
 
 
 def _answer_template(sealed_job: p.SealedAssignment, name: str, sealed: bool) -> lean.AnswerTemplate:
@@ -657,16 +656,17 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
         sock.connect(address)
         sock.send_multipart(codec.encode(p.HEARTBEAT))
         socks.append(sock)
-    packed, bins = {}, True
+    packed, every = {}, Reads(True, True, True)
     for sock in socks:
         if not sock.poll(30_000):
             raise RuntimeError(f"{tag}: the broker did not answer a client's HEARTBEAT within 30 s")
-        packed[sock], reads_bins = _reads(decoder, sock.recv_multipart())
-        bins = bins and reads_bins
+        reads = _reads(decoder, sock.recv_multipart())
+        packed[sock] = reads.packed
+        every = Reads(*map(operator.and_, every, reads))  # what each client's answer said
     report.put(("ready", tag, None))
     go.wait()
     wins = {sock: _Window(clock) for sock in socks}
-    submit, count = _submissions(tag, batch, decoder, bins)
+    submit, count = _submissions(tag, batch, decoder, every)
     poller = zmq.Poller()
     for sock in socks:
         poller.register(sock, zmq.POLLIN)
@@ -719,22 +719,25 @@ class _Window:
 
 
 def _submissions(
-    tag: str, batch: int, decoder: codec.Decoder, token_bins: bool
+    tag: str, batch: int, decoder: codec.Decoder, reads: Reads
 ) -> tuple[Callable[[bool], list[bytes]], Callable[[list[bytes]], tuple[int, int]]]:
     """A client's (SUBMIT of ``batch`` new jobs, in the form asked; what an answer finishes and
     fails): from byte templates, answers counted from their array headers (``LEAN``), or jobs
-    built and answers decoded through the codec. Token ids go as token bins where the broker
-    said it reads them (``token_bins``), as the reference client sends them."""
+    built and answers decoded through the codec. Token ids go as token bins, and jobs sealed
+    (SEALED_SUBMIT), where the broker said it reads them (``reads``), as the reference client
+    sends them."""
     ids = iter(range(1 << 62))
+    token_bins, sealed = reads.token_bins, reads.sealed_jobs
     if LEAN:
-        template = lean.SubmitTemplate(bench_job("template"), token_bins)
+        template = lean.SubmitTemplate(bench_job("template"), token_bins, sealed)
         return (lambda packed: template.frames([f"{tag}-{next(ids):x}" for _ in range(batch)], packed)), (
             lean.count_answer
         )
 
     def submit(packed: bool) -> list[bytes]:
-        jobs = [msgspec.Raw(encode_job(bench_job(f"{tag}-{next(ids):x}"), token_bins)) for _ in range(batch)]
-        return codec.encode(p.SUBMIT, jobs, packed=packed)
+        jobs = [bench_job(f"{tag}-{next(ids):x}") for _ in range(batch)]
+        ((_, encoded),) = pack_submits(jobs, batch, 1 << 30, token_bins=token_bins, sealed=sealed)
+        return codec.encode(submit_command(sealed), encoded, packed=packed)
 
     return submit, functools.partial(_count_answer, decoder)
 
@@ -755,17 +758,24 @@ def _command(frames: list[bytes]) -> bytes:
     return first[3:4] if len(first) > 3 else frames[1]
 
 
-def _reads(decoder: codec.Decoder, frames: list[bytes]) -> tuple[bool, bool]:
-    """Whether the broker's answer to a HEARTBEAT says it reads the packed form, and token bins."""
+class Reads(NamedTuple):
+    """What a broker's answer to a HEARTBEAT says it reads (``p.Liveness``)."""
+
+    packed: bool = False
+    token_bins: bool = False
+    sealed_jobs: bool = False
+
+
+def _reads(decoder: codec.Decoder, frames: list[bytes]) -> Reads:
+    """What the broker's answer to a HEARTBEAT says it reads."""
     msg = decoder.decode(frames)
     if msg.command != p.HEARTBEAT or msg.body is None:
-        return False, False
-    return msg.body.packed, msg.body.token_bins
+        return Reads()
+    return Reads(msg.body.packed, msg.body.token_bins, msg.body.sealed_jobs)
 
 
-def _hello(sock: zmq.Socket[Any], decoder: codec.Decoder, tag: str) -> tuple[bool, bool]:
-    """HEARTBEAT, as the reference client opens: whether the broker reads the packed form, and
-    token bins."""
+def _hello(sock: zmq.Socket[Any], decoder: codec.Decoder, tag: str) -> Reads:
+    """HEARTBEAT, as the reference client opens: what the broker reads."""
     sock.send_multipart(codec.encode(p.HEARTBEAT))
     while sock.poll(30_000):
         frames = sock.recv_multipart()
@@ -806,12 +816,13 @@ def submit_client(report: Any, tag: str, address: str, batch: int, window: int, 
     sock = _socket(zmq.DEALER, address, identity=tag)
     decoder = codec.Decoder(codec.TO_CLIENT)
     limit = batch * window
-    packed, bins = _hello(sock, decoder, tag)
+    reads = _hello(sock, decoder, tag)
+    packed = reads.packed
     report.put(("ready", tag, None))
     go.wait()
     win = _Window(clock)
 
-    submit, count = _submissions(tag, batch, decoder, bins)
+    submit, count = _submissions(tag, batch, decoder, reads)
 
     def fill() -> None:
         while win.inflight + batch <= limit:

@@ -190,14 +190,14 @@ class Dispatch:
         queue = client.queue
         while True:  # each job as ``_dequeue`` and ``_assign`` do it, inline
             job = queue.popleft()
-            spec = job.spec
             client.num_queued -= 1
             ticket = job.ticket = next(tickets)
             job.dispatched_version = version
             running[ticket] = job
-            used += job.cost
+            cost = job.cost
+            used += cost
             job.worker = identity
-            out.append(relay(ticket, spec))
+            out.append(relay(ticket, job.wire, cost))
             sub = job.submission
             if sub.taken:
                 sub.taken += 1
@@ -280,7 +280,7 @@ class Dispatch:
         if out is None:
             out = jobs_to[identity] = self.outbox.items_to(WORKER, identity, p.JOBS)
             worker.jobs_sent_at = now
-        out.append(p.AssignmentRelay(ticket, spec))
+        out.append(p.AssignmentRelay(ticket, job.wire, job.cost))
         self._heap.offer_next(worker, len(self.workers))  # kept for the next pick (dispatch_heap.py)
         if spec.session_id is not None:
             self.affinity.dispatched(client.identity, job, identity, now)

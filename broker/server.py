@@ -27,10 +27,11 @@ from zmq_rollout.gc_pauses import settle_heap
 from .busy_poll import BusyPoll, IdleCores, JobsPerMessage, busy_poll_s
 from .curve_ports import CurvePorts
 from .heap_keep import heap_keep_mib, keep_freed_memory
+from .older_workers import fit_jobs, needs_fitting
 from .outbox import CLIENT, WORKER
 from .own_process import owns_process
 from .packing import Packing, pack_step
-from .salvage import split_submit, submit_ids
+from .salvage import SUBMITS, split_submit, submit_ids, submitted
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -323,10 +324,15 @@ class Broker:
         out = self.scheduler.outbox.take()
         self.scheduler.stats.messages_sent += len(out)  # tried; one that cannot go is counted unroutable
         workers = self.scheduler.workers
-        for side, identity, command, body in out:
+        for side, identity, command, message in out:
             sock = self.frontend if side == CLIENT else self.backend
-            if command == p.JOBS and not getattr(workers.get(identity), "reads_token_bins", True):
-                _as_arrays(body)
+            body, worker = message, workers.get(identity) if command == p.JOBS else None
+            if worker is not None and needs_fitting(worker):
+                body, refused = fit_jobs(worker, message)
+                if refused:  # answered as if the worker had refused them (``older_workers.py``)
+                    self.scheduler.worker_error(identity, refused, now)
+                if not body:
+                    continue
             try:
                 send_frames(sock, [identity, *codec.encode(command, body, packed=identity not in split)])
             except zmq.ZMQError as exc:
@@ -346,12 +352,12 @@ class Broker:
         log.warning("bad message from client %r: %s", identity, error)
         self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(key, code, error))
 
-    def _reject_submit(self, identity: bytes, header: Any, reason: str, error: str) -> None:
-        """Refuse a whole message; a SUBMIT's refusal (``header``: its header, else None) names
-        each job whose id can be read (a client that asked for no ACCEPTED cannot tell which of
-        its messages an error without a key is about)."""
-        if header is not None:
-            ids = submit_ids(header)
+    def _reject_submit(self, identity: bytes, found: tuple[bytes, Any] | None, reason: str, error: str) -> None:
+        """Refuse a whole message; a SUBMIT's refusal (``found``: its command and header,
+        ``salvage.submitted``; else None) names each job whose id can be read (a client that
+        asked for no ACCEPTED cannot tell which of its messages an error without a key is about)."""
+        if found is not None:
+            ids = submit_ids(found[1])
             if ids:
                 self.scheduler.stats.count_malformed(reason)
                 log.warning("bad message from client %r: %s", identity, error)
@@ -365,28 +371,28 @@ class Broker:
         size = sum(map(len, frames))
         if size > self.config.max_message_bytes:
             error = f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}"
-            self._reject_submit(identity, codec.header_of(frames, p.SUBMIT), "oversize", error)
+            self._reject_submit(identity, submitted(frames), "oversize", error)
             return
         try:
             msg = self._from_client.decode(frames)
         except ProtocolError as exc:
-            header = codec.header_of(frames, p.SUBMIT)
-            if header is not None:
-                self._salvage_submit(identity, header, now)
+            found = submitted(frames)
+            if found is not None:
+                self._salvage_submit(identity, *found, now)
             else:
                 self._reject(identity, "invalid", str(exc))
             return
         command = msg.command
-        if command == p.SUBMIT:
+        if command in SUBMITS:
             if len(msg.body) > p.MAX_JOBS_PER_MESSAGE:
                 error = f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
-                self._reject_submit(identity, codec.header_of(frames, p.SUBMIT), "oversize", error)
+                self._reject_submit(identity, submitted(frames), "oversize", error)
                 return
             sched.submit(identity, msg.body, now)
         elif command == p.HEARTBEAT:
             known = identity in sched.clients
             sched.client_seen(identity, now)
-            answer = p.Liveness(self.epoch, new_session=not known, packed=True, token_bins=True)
+            answer = p.Liveness(self.epoch, new_session=not known, packed=True, token_bins=True, sealed_jobs=True)
             sched.outbox.to_client(identity, p.HEARTBEAT, answer)
         elif command == p.CANCEL:
             sched.cancel(identity, msg.body, now)
@@ -399,17 +405,16 @@ class Broker:
             sched.client_seen(identity, now)
             sched.sync.step(identity, msg.body, now)
 
-    def _salvage_submit(self, identity: bytes, header: Any, now: float) -> None:
+    def _salvage_submit(self, identity: bytes, command: bytes, header: Any, now: float) -> None:
         try:
-            jobs, errors = split_submit(header)
+            jobs, errors = split_submit(header, command)
         except ProtocolError as exc:
             self._reject(identity, "invalid", str(exc))
             return
         if len(jobs) + len(errors) > p.MAX_JOBS_PER_MESSAGE:
             n = len(jobs) + len(errors)
-            self._reject_submit(
-                identity, header, "oversize", f"{n} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
-            )
+            error = f"{n} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
+            self._reject_submit(identity, (command, header), "oversize", error)
             return
         self.scheduler.stats.rejected_invalid += len(errors)
         for err in errors:
@@ -447,17 +452,6 @@ class Broker:
             sched.worker_gone(identity, "worker left", now)
         elif command == p.CONTROL_ACK and sched.worker_seen(identity, now) is not None:
             sched.sync.ack(identity, body, now)
-
-
-def _as_arrays(assignments: list[Any]) -> None:
-    """Make a JOBS body fit a worker that does not read token bins: each job's bin (a client's,
-    read by this broker) becomes the msgpack array of the same ids, in place. The job keeps that
-    form for a later dispatch (the same ids). A few microseconds per 512-id job, paid only for
-    such workers."""
-    for assignment in assignments:
-        job = assignment.job
-        if isinstance(job, p.JobRelay):
-            job.prompt_token_ids = p.as_array(job.prompt_token_ids)
 
 
 class BrokerThread:

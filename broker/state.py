@@ -81,11 +81,13 @@ class Job(msgspec.Struct, gc=False, eq=False):
     a job refers to no object that refers back to it."""
 
     client: ClientId
-    spec: p.JobSpec | p.JobRelay
+    spec: p.JobSpec | p.JobRelay | p.SealedJob
     submission: Submission
     """Its SUBMIT's: when it came (``submission.at``)."""
     cost: int
     """Credits it occupies on a worker while it runs: its ``sampling.n``."""
+    wire: Any
+    """What its worker's JOBS carries as the job: ``spec`` itself, or a ``SealedJob``'s bytes."""
     ticket: int = 0
     worker: WorkerId = b""
     """The worker it runs on, under ``ticket``; ``b""`` while it is queued."""
@@ -150,7 +152,11 @@ class WorkerState:
     next ``tick`` within a heartbeat interval of that sends it no HEARTBEAT."""
     reads_token_bins: bool = False
     """Its READY lists ``p.TOKEN_BINS``: its jobs may carry token ids as a token bin; else the
-    socket loop sends them as arrays (``server._as_arrays``)."""
+    socket loop sends them as arrays (``older_workers.py``)."""
+    checks_cost: bool = False
+    """Its READY lists ``p.SEALED_JOBS``: it checks each job's ``sampling.n`` against the credits
+    charged, so a sealed job's bytes go to it as they came; else the socket loop opens them
+    (``older_workers.py``)."""
 
     @property
     def credits_free(self) -> int:

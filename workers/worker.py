@@ -96,7 +96,7 @@ class Worker:
 
     def capabilities(self) -> list[str]:
         """What READY tells the broker (and ``status()`` the trainer) this worker can do."""
-        can = ["generate", "stream", "chat", "text", p.TOKEN_BINS]
+        can = ["generate", "stream", "chat", "text", p.TOKEN_BINS, p.SEALED_JOBS]
         can += ["weight_sync:shm", "weight_sync:gloo", "weight_sync:nccl"]
         if self.config.enable_lora:
             can.append("lora")

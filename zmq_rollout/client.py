@@ -38,7 +38,7 @@ from zmq_rollout.errors import (
     error_from_code,
 )
 from zmq_rollout.rollouts import Prompt, Rollout, StreamRestarted, TokenDelta, make_job, to_rollouts
-from zmq_rollout.submissions import Unanswered, pack_submits, settle
+from zmq_rollout.submissions import Unanswered, pack_submits, settle, submit_command
 from zmq_rollout.sync_methods import WeightSyncMethods
 from zmq_rollout.weight_sync import WeightTransport
 
@@ -141,8 +141,10 @@ class AsyncRolloutClient(WeightSyncMethods):
             if job.job_id in self._pending:
                 raise InvalidRequestError(f"job id {job.job_id!r} is already in flight", job_id=job.job_id)
         # may refuse one
+        conn = self._conn
+        sealed = conn.sealed_jobs
         messages = pack_submits(
-            jobs, self.config.batch_size, self.config.max_message_bytes, token_bins=self._conn.token_bins
+            jobs, self.config.batch_size, self.config.max_message_bytes, token_bins=conn.token_bins, sealed=sealed
         )
         for job in jobs:
             handle = _Pending(job, loop.create_future(), asyncio.Queue() if stream else None)
@@ -151,7 +153,7 @@ class AsyncRolloutClient(WeightSyncMethods):
         sent: list[str] = []
         try:
             for ids, encoded in messages:
-                await self._conn.send(p.SUBMIT, encoded)
+                await conn.send(submit_command(sealed), encoded)
                 self._unanswered.sent(ids)
                 sent.extend(ids)
         except BaseException:
@@ -433,11 +435,12 @@ class AsyncRolloutClient(WeightSyncMethods):
             if handle.stream is not None:
                 handle.streamed = False
                 handle.stream.put_nowait(StreamRestarted(job.job_id))
-        config = self.config
+        config, conn = self.config, self._conn
+        sealed = conn.sealed_jobs
         for ids, encoded in pack_submits(
-            jobs, config.batch_size, config.max_message_bytes, token_bins=self._conn.token_bins
+            jobs, config.batch_size, config.max_message_bytes, token_bins=conn.token_bins, sealed=sealed
         ):
-            await self._conn.send(p.SUBMIT, encoded)
+            await conn.send(submit_command(sealed), encoded)
             self._unanswered.sent(ids)
 
     def _dispatch(self, command: bytes, body: Any) -> None:

@@ -40,8 +40,9 @@ FROM_CLIENT: dict[bytes, Any] = {
     p.DISCONNECT: None,
     p.SYNC: p.SyncStep,
 }
-BROKER_FROM_CLIENT: dict[bytes, Any] = {**FROM_CLIENT, p.SUBMIT: list[p.JobRelay]}
-"""What the broker decodes from clients: the same, but jobs as ``JobRelay`` (sampling raw)."""
+BROKER_FROM_CLIENT: dict[bytes, Any] = {**FROM_CLIENT, p.SUBMIT: list[p.JobRelay], p.SEALED_SUBMIT: list[p.SealedJob]}
+"""What the broker decodes from clients: the same, but jobs as ``JobRelay`` (sampling raw), and
+SEALED_SUBMIT, which only a broker reads (a client sends it once the broker says it does)."""
 TO_CLIENT: dict[bytes, Any] = {
     p.ACCEPTED: list[str],
     p.PARTIAL: list[p.Delta],

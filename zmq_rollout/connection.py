@@ -115,6 +115,9 @@ class Connection:
         self.token_bins = False
         """Whether jobs may carry their token ids as a token bin: the broker's last HEARTBEAT reply
         said it reads them (``Liveness.token_bins``)."""
+        self.sealed_jobs = False
+        """Whether to submit jobs sealed (SEALED_SUBMIT, ``p.SealedJob``): the broker's last
+        HEARTBEAT reply said it reads them (``Liveness.sealed_jobs``)."""
 
     def open(self) -> None:
         """Create the socket and start the loops (once; never after ``close``)."""
@@ -237,6 +240,7 @@ class Connection:
             if msg.command == p.HEARTBEAT:
                 self.packed = msg.body is not None and msg.body.packed
                 self.token_bins = msg.body is not None and msg.body.token_bins
+                self.sealed_jobs = msg.body is not None and msg.body.sealed_jobs
                 if self.watch.liveness(msg.body):
                     await self._on.restarted()
             self._on.message(msg.command, msg.body)

@@ -65,10 +65,12 @@ def sampling_wire(sampling: p.SamplingParams) -> msgspec.Raw:
 
 
 def pack_submits(
-    jobs: list[p.JobSpec], batch_size: int, max_bytes: int, *, token_bins: bool = False
+    jobs: list[p.JobSpec], batch_size: int, max_bytes: int, *, token_bins: bool = False, sealed: bool = False
 ) -> list[tuple[list[str], list[msgspec.Raw]]]:
-    """The jobs, encoded (``encode_job``), in messages of at most ``batch_size`` jobs and
-    ``max_bytes`` bytes: ``(job ids, encoded jobs)`` per message."""
+    """The jobs, encoded (``encode_job``; with ``sealed``, each sealed with the copies a
+    SEALED_SUBMIT carries, ``p.SealedJob``), in messages of at most ``batch_size`` jobs and
+    ``max_bytes`` bytes: ``(job ids, encoded jobs)`` per message (``submit_command`` says which
+    command carries them)."""
     messages: list[tuple[list[str], list[msgspec.Raw]]] = []
     current: list[msgspec.Raw] = []
     ids: list[str] = []
@@ -76,6 +78,8 @@ def pack_submits(
     limit = min(batch_size, p.MAX_JOBS_PER_MESSAGE)
     for job in jobs:
         raw = encode_job(job, token_bins)
+        if sealed:
+            raw = _encoder.encode(p.SealedJob.of(job, raw))
         if len(raw) + FRAME_OVERHEAD > max_bytes:
             raise InvalidRequestError(
                 f"job {job.job_id!r} is {len(raw)} bytes encoded, more than a message may carry "
@@ -91,6 +95,11 @@ def pack_submits(
     if current:
         messages.append((ids, current))
     return messages
+
+
+def submit_command(sealed: bool) -> bytes:
+    """The command that carries what ``pack_submits`` made with ``sealed``."""
+    return p.SEALED_SUBMIT if sealed else p.SUBMIT
 
 
 class Unanswered:

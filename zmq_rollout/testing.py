@@ -132,7 +132,8 @@ class EchoWorkerDouble:
             self.curve.apply(sock)
         sock.connect(self.address)
         self._packed = self._sealed = False  # until this connection's broker says it reads them
-        info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, ["echo", p.TOKEN_BINS])
+        can = ["echo", p.TOKEN_BINS, p.SEALED_JOBS]
+        info = p.WorkerInfo(self.name, "echo-double", self.credits, self.weight_version, can)
         sock.send_multipart(codec.encode(p.READY, info))
         return sock
 

@@ -91,7 +91,8 @@ def test_client_heartbeat_is_answered(start_broker: Any, raw_socket: Any) -> Non
     assert isinstance(first, p.Liveness) and first.new_session  # it did not know this client before
     send(client, p.HEARTBEAT)
     second = receive(client, FROM_BROKER_TO_CLIENT, p.HEARTBEAT)
-    assert second == p.Liveness(first.epoch, new_session=False, packed=True, token_bins=True) and len(first.epoch) >= 8
+    assert second == p.Liveness(first.epoch, new_session=False, packed=True, token_bins=True, sealed_jobs=True)
+    assert len(first.epoch) >= 8
 
 
 def test_the_broker_counts_the_messages_it_reads_and_sends(start_broker: Any, raw_socket: Any) -> None:

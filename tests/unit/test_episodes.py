@@ -198,6 +198,7 @@ def test_blocking_client_runs_episodes_and_status_says_what_runs_where(start_bro
     with RolloutClient(broker.frontend, timeout_s=60) as client:
         status = client.status()
         assert {"calculator", "scripted", "gymnasium"} <= set(status.environments)
-        assert [w.capabilities for w in status.workers] == [["echo", p.TOKEN_BINS]]  # as the double's READY said
+        # as the double's READY said
+        assert [w.capabilities for w in status.workers] == [["echo", p.TOKEN_BINS, p.SEALED_JOBS]]
         got = client.run_episodes("scripted", ["x"], SamplingParams(max_tokens=4), tokenizer=TOKENIZER)
     assert (got[0].finish_reason, got[0].num_turns) == ("done", 3)

@@ -67,9 +67,10 @@ def test_a_relayed_job_reaches_the_worker_as_the_client_sent_it(job: p.JobSpec) 
     wire = msgspec.msgpack.encode(job)
     relay = msgspec.msgpack.decode(wire, type=p.JobRelay)
     assert relay.cost() == job.cost() == job.sampling.n
-    out = msgspec.msgpack.encode(p.AssignmentRelay(7, relay))
-    assert out == msgspec.msgpack.encode(p.Assignment(7, job))
+    out = msgspec.msgpack.encode(p.AssignmentRelay(7, relay, relay.cost()))
+    assert out == msgspec.msgpack.encode([7, job, job.sampling.n])  # the job as it came, then its cost
     assert msgspec.msgpack.decode(out, type=p.Assignment) == p.Assignment(7, job)
+    assert p.unseal(msgspec.msgpack.decode(out, type=p.SealedAssignment)) == p.Assignment(7, job)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import roles
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.batching import append
-from zmq_rollout.submissions import encode_job
+from zmq_rollout.submissions import encode_job, pack_submits, submit_command
 
 SIZES = [0, 1, 15, 16, 64, 65_535, 65_536]
 
@@ -46,13 +46,14 @@ JOBS = [
 
 @pytest.mark.parametrize("job", JOBS, ids=["toy", "token-ids", "chat"])
 @pytest.mark.parametrize("packed", [True, False])
-def test_a_submit_template_makes_the_codecs_bytes(job: p.JobSpec, packed: bool) -> None:
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_submit_template_makes_the_codecs_bytes(job: p.JobSpec, packed: bool, sealed: bool) -> None:
     ids = [f"client-{i:x}" for i in range(70)] + ["é" * 40, "é" * 128]  # str8 and str16 headers too
-    made = lean.SubmitTemplate(job).frames(ids, packed)
-    jobs = [msgspec.Raw(encode_job(msgspec.structs.replace(job, job_id=i), False)) for i in ids]
-    expected = codec.encode(p.SUBMIT, jobs, packed=packed)  # as the client sends them (``pack_submits``)
-    assert made == expected
-    decoded = codec.Decoder(codec.FROM_CLIENT).decode(made).body
+    made = lean.SubmitTemplate(job, sealed=sealed).frames(ids, packed)
+    jobs = [msgspec.structs.replace(job, job_id=i) for i in ids]
+    ((_, encoded),) = pack_submits(jobs, 128, 1 << 30, sealed=sealed)  # as the client sends them
+    assert made == codec.encode(submit_command(sealed), encoded, packed=packed)
+    decoded = codec.Decoder(codec.BROKER_FROM_CLIENT).decode(made).body
     assert [j.job_id for j in decoded] == ids
 
 

@@ -14,13 +14,12 @@ import pytest
 import zmq
 
 from tests.helpers import poll_until
+from tests.raw_peers import Inbox, jobs_raw, raw_worker, send
 from zmq_rollout import SamplingParams, codec
 from zmq_rollout import protocol as p
 from zmq_rollout.protocol.jobs import check_raw_list
 from zmq_rollout.protocol.token_bins import as_array, bin_length, is_bin
 from zmq_rollout.submissions import encode_job, pack_submits
-
-FROM_BROKER_TO_CLIENT = codec.Decoder(codec.TO_CLIENT)
 
 IDS = [0, 1, 255, 256, 65_535, 65_536, 151_935, (1 << 32) - 1]
 
@@ -107,66 +106,20 @@ def test_a_client_sends_a_bin_only_where_the_broker_reads_it() -> None:
 
 
 # -- through a broker ------------------------------------------------------------------------
-def send(sock: zmq.Socket[Any], command: bytes, body: Any = None) -> None:
-    sock.send_multipart(codec.encode(command, body))
-
-
-class Inbox:
-    """What a raw client got from the broker (messages of other commands than the one asked
-    for are kept for a later ``items``)."""
-
-    def __init__(self, sock: zmq.Socket[Any]) -> None:
-        self.sock = sock
-        self.got: list[codec.Message] = []
-
-    def items(self, command: bytes, count: int) -> list[Any]:
-        """The items of the ``command`` messages got so far, once there are ``count`` of them."""
-
-        def found() -> list[Any]:
-            bodies = [m.body for m in self.got if m.command == command]
-            return bodies if command == p.HEARTBEAT else [item for body in bodies for item in body]
-
-        def enough() -> bool:
-            while self.sock.poll(0):
-                self.got.append(FROM_BROKER_TO_CLIENT.decode(self.sock.recv_multipart()))
-            return len(found()) >= count
-
-        poll_until(enough, what=f"{count} {p.COMMAND_NAMES[command]}")
-        return found()
-
-
-def _worker(raw_socket: Any, broker: Any, capabilities: list[str]) -> zmq.Socket[Any]:
-    worker = raw_socket(zmq.DEALER)
-    worker.connect(broker.backend)
-    send(worker, p.READY, p.WorkerInfo("raw", "m", 4, 0, capabilities))
-    return worker
-
-
-def _jobs_raw(worker: zmq.Socket[Any]) -> list[Any]:
-    """The next JOBS message's assignments as plain msgpack (bins stay bytes)."""
-    for _ in range(50):
-        assert worker.poll(5000)
-        frames = worker.recv_multipart()
-        parts = codec.parts(frames)
-        if parts.command == p.JOBS:
-            return msgpack.unpackb(bytes(parts.header))
-    pytest.fail("no JOBS")
-
-
 @pytest.mark.parametrize("reads_bins", [True, False])
 def test_the_broker_relays_a_bin_to_a_worker_that_reads_it_and_an_array_to_one_that_does_not(
     start_broker: Any, raw_socket: Any, reads_bins: bool
 ) -> None:
     broker = start_broker()
-    worker = _worker(raw_socket, broker, ["generate", p.TOKEN_BINS] if reads_bins else ["generate"])
+    worker = raw_worker(raw_socket, broker, ["generate", p.TOKEN_BINS] if reads_bins else ["generate"])
     client = raw_socket(zmq.DEALER)
     client.connect(broker.frontend)
     inbox = Inbox(client)
     send(client, p.HEARTBEAT)
     assert inbox.items(p.HEARTBEAT, 1)[0].token_bins  # what clients are told
     send(client, p.SUBMIT, [msgspec.Raw(encode_job(p.JobSpec("b", prompt_token_ids=IDS), token_bins=True))])
-    ((ticket, job),) = _jobs_raw(worker)
-    assert job[4] == (p.to_bin(IDS) if reads_bins else IDS)
+    ((ticket, job, cost),) = jobs_raw(worker)
+    assert (job[4], cost) == ((p.to_bin(IDS) if reads_bins else IDS), 1)
     send(worker, p.FINAL, [p.Result(ticket, IDS, [], 0, "raw")])
     (result,) = inbox.items(p.FINAL, 1)
     assert (result.key, result.prompt_token_ids) == ("b", IDS)
@@ -192,7 +145,7 @@ def test_the_client_sends_bins_to_a_broker_that_reads_them_and_gets_its_ids_back
     start_broker: Any, start_client: Any, raw_socket: Any
 ) -> None:
     broker = start_broker()
-    worker = _worker(raw_socket, broker, ["generate", p.TOKEN_BINS])
+    worker = raw_worker(raw_socket, broker, ["generate", p.TOKEN_BINS])
     poll_until(lambda: broker.has_worker("raw"), what="the raw worker to register")
     client = start_client(broker.frontend)
     poll_until(lambda: client._async._conn.token_bins, what="the broker to tell the client")
@@ -202,7 +155,7 @@ def test_the_client_sends_bins_to_a_broker_that_reads_them_and_gets_its_ids_back
     thread.start()
     seen = []
     while len(seen) < len(prompts):
-        for ticket, job in _jobs_raw(worker):
+        for ticket, job, _cost in jobs_raw(worker):
             seen.append(job[4])
             send(worker, p.FINAL, [p.Result(ticket, p.from_bin(job[4]), [p.Sample(0, [1], [0.0], "length")], 0, "raw")])
     thread.join(10)

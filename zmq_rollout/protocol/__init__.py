@@ -46,6 +46,7 @@ from .commands import (
     PARTIAL,
     READY,
     SEALED_FINAL,
+    SEALED_SUBMIT,
     SIGNATURE,
     STATUS,
     STATUS_REPLY,
@@ -55,6 +56,7 @@ from .commands import (
 )
 from .fleet import ClientStatus, JobTotals, Liveness, StatusReply, WorkerInfo, WorkerStatus
 from .jobs import (
+    SEALED_JOBS,
     Assignment,
     AssignmentRelay,
     ChatMessage,
@@ -66,6 +68,7 @@ from .jobs import (
     Sample,
     SamplingParams,
     SealedAssignment,
+    SealedJob,
     StructuredOutput,
     unseal,
 )
@@ -116,14 +119,15 @@ __all__ = [
     "ACCEPTED", "BACKENDS", "BUSY", "CANCEL", "COMMAND_NAMES", "CONTROL", "CONTROL_ACK", "CREDIT",
     "DISCONNECT", "DTYPE_SIZES", "ERROR", "FINAL", "HEARTBEAT", "JOBS", "MAX_JOBS_PER_MESSAGE", "MAX_JOB_ID",
     "MAX_LORA_NAME", "MAX_MESSAGES", "MAX_N", "MAX_PROMPT_CHARS", "MAX_PROMPT_TOKENS", "MAX_STOP", "MAX_TOKENS",
-    "MAX_TOP_LOGPROBS", "MAX_VERSION", "PARTIAL", "PAUSE_MODES", "READY", "SEALED_FINAL", "SEAL_MIN_TOKENS",
+    "MAX_TOP_LOGPROBS", "MAX_VERSION", "PARTIAL", "PAUSE_MODES", "READY", "SEALED_FINAL", "SEALED_JOBS",
+    "SEALED_SUBMIT", "SEAL_MIN_TOKENS",
     "SIGNATURE", "STATUS", "STATUS_REPLY", "SUBMIT", "SYNC", "SYNC_OPS", "SYNC_REPLY", "TOKEN_BINS", "UNKNOWN_LAYOUT",
     "Abort", "AckResult", "AnySyncOp", "Assignment", "AssignmentRelay", "Begin", "BeginUpdate", "Bucket",
     "ChatMessage", "CheckNames", "ClientStatus", "Commit", "Control", "ControlAck", "CudaIpcHandle", "Delta",
     "DeltaRelay", "ErrorItem", "Evicted", "FinishUpdate", "IpcSource", "JobRelay", "JobSpec", "JobTotals", "JoinGroup",
     "LeaveGroup", "Liveness", "LoadIpc", "LoadIpcTensors",
     "LoadLora", "LoadShm", "LoraBucket", "NameCheck", "ReceiveBucket", "Result", "ResultRelay", "Sample",
-    "SamplingParams", "SealedAssignment", "SealedResult", "SplicedFinal", "StatusReply", "Struct",
+    "SamplingParams", "SealedAssignment", "SealedJob", "SealedResult", "SplicedFinal", "StatusReply", "Struct",
     "StructuredOutput", "SyncOp", "SyncReply", "SyncStep", "TensorMeta",
     "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "encode_trimmed", "final_item", "from_bin", "seal",
     "splice_into", "to_bin", "unseal", "worth_sealing",

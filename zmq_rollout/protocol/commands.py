@@ -26,6 +26,7 @@ STATUS = b"\x03"  # nil
 HEARTBEAT = b"\x04"  # nil; both ways, client<->broker and worker<->broker
 DISCONNECT = b"\x05"  # nil; client->broker "I am leaving"; broker->worker "reconnect fresh"
 SYNC = b"\x06"  # SyncStep: one step of a weight-sync round (trainer -> broker)
+SEALED_SUBMIT = b"\x07"  # list[SealedJob]: SUBMIT with each job sealed, to a broker that reads it
 # broker -> client
 ACCEPTED = b"\x11"  # list[str] job ids now queued
 PARTIAL = b"\x12"  # list[Delta]; also worker -> broker (keyed by ticket)
@@ -48,6 +49,7 @@ COMMAND_NAMES = {
     CANCEL: "cancel",
     STATUS: "status",
     SYNC: "sync",
+    SEALED_SUBMIT: "sealed_submit",
     SYNC_REPLY: "sync_reply",
     HEARTBEAT: "heartbeat",
     DISCONNECT: "disconnect",

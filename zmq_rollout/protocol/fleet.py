@@ -44,6 +44,10 @@ class Liveness(Struct):
     token_bins: bool = False
     """The broker reads a job's ``prompt_token_ids`` as a token bin (docs/protocol.md section 5.8,
     ``token_bins.py``); a broker older than this field leaves it out, and its clients send arrays."""
+    sealed_jobs: bool = False
+    """The broker reads SEALED_SUBMIT (each job sealed beside the fields the broker reads,
+    docs/protocol.md section 5.9); a broker older than this field leaves it out, and its clients
+    send SUBMIT."""
 
 
 class WorkerStatus(Struct):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 import msgspec
 
@@ -40,6 +40,7 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STRUCTURED_CHARS = 1 << 16
 MAX_CHOICES = 256
 ON_STALE = ("abort", "restart")  # JobRelay.on_stale's Literal too
+OnStale = Literal["abort", "restart"]
 
 
 class StructuredOutput(Struct):
@@ -341,12 +342,56 @@ class Assignment(Struct):
     job: JobSpec
 
 
+class SealedJob(Struct):
+    """client -> broker, in SEALED_SUBMIT: a job whole, as a SUBMIT would carry it (``job``: the
+    ``JobSpec``'s own encoding, inline), beside copies of the fields the broker reads. The
+    broker decodes only these and forwards ``job``'s bytes to its worker as they came: no object
+    per field it does not read, and no encoding on the way out (``benchmarks/sealed_jobs.py``).
+    The worker checks the job as it checks any (``unseal``), and that its ``sampling.n`` is the
+    ``n`` its credits were charged (``SealedAssignment.cost``); a client whose copies differ from
+    its job otherwise misroutes only its own jobs. Sent only to a broker whose HEARTBEAT answer
+    says ``Liveness.sealed_jobs`` (docs/protocol.md section 5.9)."""
+
+    job_id: _Id
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+    """The job's ``sampling.n``: the credits it occupies on a worker."""
+    job: msgspec.Raw
+    ack: bool = True
+    stream: bool = False
+    session_id: _Id | None = None
+    session_end: bool = False
+    min_weight_version: _Version = 0
+    max_staleness: _Version | None = None
+    on_stale: OnStale = "abort"
+    resubmitted: bool = False
+
+    def cost(self) -> int:
+        """Credits this job occupies on a worker: one per sequence."""
+        return self.n
+
+    @classmethod
+    def of(cls, job: JobSpec, encoded: bytes) -> SealedJob:
+        """``job``, whose SUBMIT encoding is ``encoded``, sealed with its copies."""
+        return cls(
+            job.job_id, job.sampling.n, msgspec.Raw(encoded), job.ack, job.stream, job.session_id,
+            job.session_end, job.min_weight_version, job.max_staleness, cast(OnStale, job.on_stale), job.resubmitted,
+        )  # fmt: skip
+
+
+SEALED_JOBS = "sealed_jobs"
+"""The capability a worker lists in READY (``WorkerInfo.capabilities``) when it checks each
+job's ``sampling.n`` against ``SealedAssignment.cost``: the broker forwards a ``SealedJob``'s
+bytes only to such a worker, and opens them for any other (``server._for_older_worker``)."""
+
+
 class AssignmentRelay(Struct):
     """What the broker encodes for an ``Assignment`` (never decoded): its job is a ``JobRelay``,
-    or a ``JobSpec`` where one was given in Python (tests, embedding). Same wire shape."""
+    a sealed job's bytes (``SealedJob.job``), or a ``JobSpec`` where one was given in Python
+    (tests, embedding). Same wire shape; ``cost``, the credits the broker charged, after it."""
 
     ticket: int
-    job: JobRelay | JobSpec
+    job: JobRelay | JobSpec | msgspec.Raw
+    cost: int = 0
 
 
 class SealedAssignment(Struct):
@@ -356,17 +401,30 @@ class SealedAssignment(Struct):
 
     ticket: int
     job: msgspec.Raw
+    cost: int = 0
+    """The credits the broker charged for the job: its ``sampling.n`` must be this (0: unsaid, from
+    a broker before this field, or an ``Assignment`` built in Python)."""
 
 
 _job_decoder = msgspec.msgpack.Decoder(JobSpec)
 
 
 def unseal(sealed: SealedAssignment) -> Assignment | ErrorItem:
-    """The ``Assignment``, or an ``invalid_request`` error keyed by its ticket."""
+    """The ``Assignment``, or an ``invalid_request`` error keyed by its ticket: a job that does not
+    decode, or whose ``sampling.n`` is not the credits it was charged (a ``SealedJob`` whose
+    ``n`` differs from its job's)."""
     try:
-        return Assignment(sealed.ticket, _job_decoder.decode(sealed.job))
+        job = _job_decoder.decode(sealed.job)
     except DECODE_ERRORS as exc:
         return ErrorItem(sealed.ticket, "invalid_request", f"invalid job: {exc}")
+    if sealed.cost and job.sampling.n != sealed.cost:
+        return ErrorItem(sealed.ticket, "invalid_request", cost_mismatch(job.sampling.n, sealed.cost))
+    return Assignment(sealed.ticket, job)
+
+
+def cost_mismatch(n: int, charged: int) -> str:
+    """The error for a sealed job whose ``sampling.n`` is not the ``n`` it was submitted with."""
+    return f"invalid job: its sampling.n is {n}, but it was submitted (SEALED_SUBMIT) with n={charged}"
 
 
 class Delta(Struct):
