@@ -49,7 +49,7 @@ class SubmitTemplate:
         marked = msgspec.structs.replace(job, job_id=_MARK)
         raw = encode_job(marked, token_bins)
         if sealed:
-            raw = _encode(p.SealedJob.of(marked, raw))
+            raw = p.sealed_job(marked, raw)
         self._pieces = raw.split(_encode(_MARK))
         if len(self._pieces) != 2 + sealed:
             raise ValueError("the job's bytes hold its id's marker more often than its id")

@@ -79,7 +79,7 @@ def pack_submits(
     for job in jobs:
         raw = encode_job(job, token_bins)
         if sealed:
-            raw = _encoder.encode(p.SealedJob.of(job, raw))
+            raw = p.sealed_job(job, raw)
         if len(raw) + FRAME_OVERHEAD > max_bytes:
             raise InvalidRequestError(
                 f"job {job.job_id!r} is {len(raw)} bytes encoded, more than a message may carry "

@@ -54,6 +54,31 @@ def test_a_sealed_job_carries_the_job_as_a_submit_would_and_copies_of_what_the_b
     assert bytes(plain[0]) == encode_job(JOB, token_bins=True)  # unsealed: as before
 
 
+PLAIN = p.JobSpec("p1", SamplingParams(max_tokens=3), prompt="hi")
+ONE_FIELD_EACH = {  # each copy the broker reads, away from its default
+    "ack": {"ack": False},
+    "stream": {"stream": True},
+    "session_id": {"session_id": "e"},
+    "session_end": {"session_id": "e", "session_end": True},
+    "min_weight_version": {"min_weight_version": 3},
+    "max_staleness": {"max_staleness": 0},
+    "on_stale": {"max_staleness": 1, "on_stale": "restart"},
+    "resubmitted": {"resubmitted": True},
+    "n": {"sampling": SamplingParams(n=3)},
+}
+
+
+@pytest.mark.parametrize("changes", [{}, *ONE_FIELD_EACH.values()], ids=["defaults", *ONE_FIELD_EACH])
+def test_a_sealed_job_leaves_off_only_trailing_defaults(changes: dict[str, Any]) -> None:
+    job = msgspec.structs.replace(PLAIN, **changes)
+    encoded = encode_job(job, token_bins=True)
+    short = p.sealed_job(job, encoded)
+    full = msgspec.msgpack.encode(p.SealedJob.of(job, encoded))
+    assert msgspec.msgpack.decode(short, type=p.SealedJob) == msgspec.msgpack.decode(full, type=p.SealedJob)
+    if not changes or changes == {"ack": False} or "sampling" in changes:
+        assert len(msgpack.unpackb(short)) == (4 if changes == {"ack": False} else 3)  # [job_id, n, job(, ack)]
+
+
 def test_the_broker_decodes_a_sealed_submit_and_refuses_a_bad_copy() -> None:
     decoder = codec.Decoder(codec.BROKER_FROM_CLIENT)
     msg = decoder.decode(codec.encode(p.SEALED_SUBMIT, _sealed_body([JOB])))
@@ -115,7 +140,7 @@ def test_the_broker_refuses_for_an_older_worker_a_sealed_job_whose_n_differs(
     worker = raw_worker(raw_socket, broker, [p.TOKEN_BINS])
     poll_until(lambda: broker.has_worker("raw"), what="the raw worker to register")
     client, inbox = _client(raw_socket, broker)
-    lying = msgspec.structs.replace(p.SealedJob.of(JOB, encode_job(JOB, True)), n=1)
+    lying = msgspec.structs.replace(p.SealedJob.of(JOB, encode_job(JOB, True)), n=1)  # its job says n=2
     good = p.JobSpec("s2", SamplingParams(max_tokens=3), prompt="hi", ack=False)
     send(client, p.SEALED_SUBMIT, [lying, *_sealed_body([good])])
     (err,) = inbox.items(p.ERROR, 1)

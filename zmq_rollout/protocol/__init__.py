@@ -70,6 +70,7 @@ from .jobs import (
     SealedAssignment,
     SealedJob,
     StructuredOutput,
+    sealed_job,
     unseal,
 )
 from .relays import (
@@ -130,5 +131,5 @@ __all__ = [
     "SamplingParams", "SealedAssignment", "SealedJob", "SealedResult", "SplicedFinal", "StatusReply", "Struct",
     "StructuredOutput", "SyncOp", "SyncReply", "SyncStep", "TensorMeta",
     "WorkerAck", "WorkerInfo", "WorkerStatus", "as_array", "encode_trimmed", "final_item", "from_bin", "seal",
-    "splice_into", "to_bin", "unseal", "worth_sealing",
+    "sealed_job", "splice_into", "to_bin", "unseal", "worth_sealing",
 ]  # fmt: skip

@@ -378,6 +378,28 @@ class SealedJob(Struct):
         )  # fmt: skip
 
 
+def sealed_job(job: JobSpec, encoded: bytes) -> bytes:
+    """``SealedJob.of(job, encoded)``, encoded as a client sends it: without the trailing fields
+    that are their defaults (a trainer's usual job is ``[job_id, n, job]``, or with ``ack``
+    false one item more). Half the client's cost of sealing a job, and a fifth less of the
+    broker's decoding, against every field written."""
+    if (
+        job.stream
+        or job.session_id is not None
+        or job.session_end
+        or job.min_weight_version
+        or job.max_staleness is not None
+        or job.on_stale != "abort"
+        or job.resubmitted
+    ):
+        return _encode(SealedJob.of(job, encoded))
+    if job.ack:
+        return _encode((job.job_id, job.sampling.n, msgspec.Raw(encoded)))
+    return _encode((job.job_id, job.sampling.n, msgspec.Raw(encoded), False))
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
 SEALED_JOBS = "sealed_jobs"
 """The capability a worker lists in READY (``WorkerInfo.capabilities``) when it checks each
 job's ``sampling.n`` against ``SealedAssignment.cost``: the broker forwards a ``SealedJob``'s
