@@ -34,15 +34,15 @@ _encoder = msgspec.msgpack.Encoder()
 # different body (CANCEL: job ids from clients, tickets to workers) are listed per table.
 FROM_CLIENT: dict[bytes, Any] = {
     p.SUBMIT: list[p.JobSpec],
+    p.SEALED_SUBMIT: list[p.SealedJob],  # to a broker that said ``Liveness.sealed_jobs``
     p.CANCEL: list[str],
     p.STATUS: None,
     p.HEARTBEAT: None,
     p.DISCONNECT: None,
     p.SYNC: p.SyncStep,
 }
-BROKER_FROM_CLIENT: dict[bytes, Any] = {**FROM_CLIENT, p.SUBMIT: list[p.JobRelay], p.SEALED_SUBMIT: list[p.SealedJob]}
-"""What the broker decodes from clients: the same, but jobs as ``JobRelay`` (sampling raw), and
-SEALED_SUBMIT, which only a broker reads (a client sends it once the broker says it does)."""
+BROKER_FROM_CLIENT: dict[bytes, Any] = {**FROM_CLIENT, p.SUBMIT: list[p.JobRelay]}
+"""What the broker decodes from clients: the same, but jobs as ``JobRelay`` (sampling raw)."""
 TO_CLIENT: dict[bytes, Any] = {
     p.ACCEPTED: list[str],
     p.PARTIAL: list[p.Delta],

@@ -226,6 +226,7 @@ def templates(table: str) -> list[tuple[bytes, Any]]:
             (p.SUBMIT, js[:1]),
             (p.SUBMIT, js[1:]),
             (p.SUBMIT, [msgspec.Raw(encode_job(js[1], token_bins=True))]),  # its ids as a token bin
+            (p.SEALED_SUBMIT, [msgspec.Raw(p.sealed_job(j, encode_job(j, token_bins=True))) for j in js]),
             (p.CANCEL, ["fuzz-a", "fuzz-b"]),
             (p.STATUS, None),
             (p.HEARTBEAT, None),

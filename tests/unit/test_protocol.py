@@ -57,6 +57,9 @@ BODIES: dict[tuple[str, bytes], Any] = {
     ("FROM_CLIENT", p.SUBMIT): JOBS,
     ("FROM_CLIENT", p.CANCEL): ["job-1", "job-2"],
     ("FROM_CLIENT", p.STATUS): None,
+    ("FROM_CLIENT", p.SEALED_SUBMIT): [
+        p.SealedJob.of(job, msgspec.msgpack.encode(job)) for job in JOBS
+    ],
     ("FROM_CLIENT", p.HEARTBEAT): None,
     ("FROM_CLIENT", p.DISCONNECT): None,
     ("FROM_CLIENT", p.SYNC): p.SyncStep(

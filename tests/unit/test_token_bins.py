@@ -165,34 +165,39 @@ def test_the_client_sends_bins_to_a_broker_that_reads_them_and_gets_its_ids_back
 
 def test_the_reference_client_sends_bins_only_while_the_broker_says_it_reads_them(raw_socket: Any) -> None:
     """Arrays to a broker that has not said ``token_bins`` (older ones never do), bins once a
-    HEARTBEAT reply says it, arrays again after a reply without it (a restart onto an older one)."""
+    HEARTBEAT reply says it, arrays again after a reply without it (a restart onto an older one).
+    Likewise SUBMIT, and SEALED_SUBMIT once a reply says ``sealed_jobs`` (``test_sealed_submit.py``)."""
     from zmq_rollout import RolloutClient
 
     broker = raw_socket(zmq.ROUTER)
     port = broker.bind_to_random_port("tcp://127.0.0.1")
     client = RolloutClient(f"tcp://127.0.0.1:{port}", name="bins", heartbeat_interval_s=0.05)
 
-    def next_message(command: bytes) -> tuple[bytes, Any]:
+    def next_message(*commands: bytes) -> tuple[bytes, bytes, Any]:
         while broker.poll(5000):
             identity, *frames = broker.recv_multipart()
             parts = codec.parts(frames)
-            if parts.command == command:
-                return identity, msgpack.unpackb(bytes(parts.header))
-        pytest.fail(f"no {p.COMMAND_NAMES[command]} from the client within 5 s")
+            if parts.command in commands:
+                return identity, parts.command, msgpack.unpackb(bytes(parts.header))
+        pytest.fail(f"no {[p.COMMAND_NAMES[c] for c in commands]} from the client within 5 s")
 
-    def ids_form_after(identity: bytes, reply: Any, prompt: list[int]) -> type:
-        """Answer a heartbeat with ``reply``; the form of ``prompt``'s ids in the next SUBMIT."""
+    def form_after(identity: bytes, reply: Any, prompt: list[int]) -> tuple[bytes, type]:
+        """Answer a heartbeat with ``reply``; the command of the next submission and the form of
+        ``prompt``'s ids in it."""
         broker.send_multipart([identity, *codec.encode(p.HEARTBEAT, reply)])
         next_message(p.HEARTBEAT)  # may have left before the reply arrived
         next_message(p.HEARTBEAT)  # left after it: the reply was read
         client.submit(prompt, SamplingParams(max_tokens=2))
-        _, jobs = next_message(p.SUBMIT)
-        return type(jobs[0][4])
+        _, command, jobs = next_message(p.SUBMIT, p.SEALED_SUBMIT)
+        job = jobs[0][2] if command == p.SEALED_SUBMIT else jobs[0]  # sealed: [job_id, n, job, ...]
+        return command, type(job[4])
 
     try:
-        identity, _ = next_message(p.HEARTBEAT)
-        assert ids_form_after(identity, p.Liveness("old", packed=True), [1, 2, 3]) is list
-        assert ids_form_after(identity, p.Liveness("old", packed=True, token_bins=True), [4, 5]) is bytes
-        assert ids_form_after(identity, p.Liveness("new", packed=True), [6]) is list  # an older broker again
+        identity, _, _ = next_message(p.HEARTBEAT)
+        assert form_after(identity, p.Liveness("old", packed=True), [1, 2, 3]) == (p.SUBMIT, list)
+        assert form_after(identity, p.Liveness("old", packed=True, token_bins=True), [4, 5]) == (p.SUBMIT, bytes)
+        reads_all = p.Liveness("old", packed=True, token_bins=True, sealed_jobs=True)
+        assert form_after(identity, reads_all, [7]) == (p.SEALED_SUBMIT, bytes)
+        assert form_after(identity, p.Liveness("new", packed=True), [6]) == (p.SUBMIT, list)  # an older broker again
     finally:
         client.close()
