@@ -1,13 +1,14 @@
 """Where the broker's per-job CPU goes with 64 jobs a message, phase by phase, in one process.
 
     python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--prompt-tokens 0]
-        [--token-bins] [--sample-tokens 4] [--finals final,sealed_final] [--heap-keep-mib 64]
+        [--token-bins] [--sealed] [--sample-tokens 4] [--finals final,sealed_final] [--heap-keep-mib 64]
 
 No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
 loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
 64 jobs (100-character prompts, as ``broker_throughput.py``'s clients send; or, with
 ``--prompt-tokens N``, prompts of N token ids below 150,000, as an RL trainer sends; as token
-bins with ``--token-bins``, as the client sends them to a broker that reads them) is decoded,
+bins with ``--token-bins``, as the client sends them to a broker that reads them; each job
+sealed in a SEALED_SUBMIT with ``--sealed``, as the client sends them to a broker that reads them) is decoded,
 submitted, dispatched and its JOBS encoded; then one FINAL per JOBS message (one 4-token
 sample per job, as the echo doubles answer; or, with ``--sample-tokens N``, an N-token sample
 with its logprobs and the prompt's ids, as a worker answers an RL job) is decoded, handed to
@@ -34,7 +35,7 @@ from zmq_rollout import protocol as p
 from zmq_rollout.broker.heap_keep import DEFAULT_KEEP_MIB, keep_freed_memory
 from zmq_rollout.broker.scheduler import Scheduler
 from zmq_rollout.config import BrokerConfig
-from zmq_rollout.submissions import encode_job
+from zmq_rollout.submissions import pack_submits, submit_command
 
 BATCH = 64
 GOAL_US_PER_JOB = 3.0
@@ -49,6 +50,7 @@ def run(
     sample_tokens: int = 4,
     final: bytes = p.FINAL,
     token_bins: bool = False,
+    sealed: bool = False,
 ) -> dict[str, float]:
     s = Scheduler(BrokerConfig())
     s.defer_dispatch = True
@@ -80,7 +82,8 @@ def run(
         else:
             specs = [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids]
         prompts = {spec.job_id: spec.prompt_token_ids or [1, 2, 3, 4] for spec in specs}
-        submit = codec.encode(p.SUBMIT, [msgspec.Raw(encode_job(spec, token_bins)) for spec in specs], packed=True)
+        ((_, encoded),) = pack_submits(specs, BATCH, 1 << 30, token_bins=token_bins, sealed=sealed)
+        submit = codec.encode(submit_command(sealed), encoded, packed=True)
         t0 = clock()
         message = from_client.decode(submit)
         t1 = clock()
@@ -99,7 +102,7 @@ def run(
         for _, worker, command, body in out:
             if command != p.JOBS:
                 continue
-            results = [p.Result(a.ticket, prompts[a.job.job_id], [sample], 0, "w") for a in body]  # type: ignore[arg-type]
+            results = [p.Result(a.ticket, prompts[_job_id(a)], [sample], 0, "w") for a in body]  # type: ignore[arg-type]
             if final == p.SEALED_FINAL:
                 results = [p.seal(r) for r in results]  # type: ignore[misc]
             answer = codec.encode(final, results, packed=True)
@@ -121,6 +124,13 @@ def run(
     return {phase: seconds / jobs * 1e6 for phase, seconds in spent.items()}
 
 
+def _job_id(assignment: p.AssignmentRelay) -> str:
+    """The job id of an assignment the scheduler made (a sealed job's, from its bytes)."""
+    job = assignment.job
+    return _job_spec(job).job_id if type(job) is msgspec.Raw else job.job_id  # type: ignore[union-attr]
+
+
+_job_spec = msgspec.msgpack.Decoder(p.JobSpec).decode
 FORMS = {"final": p.FINAL, "sealed_final": p.SEALED_FINAL}
 
 
@@ -132,6 +142,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3, help="runs; the one with the lowest total is printed")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts of this many token ids (0: 100 characters)")
     ap.add_argument("--token-bins", action="store_true", help="the prompts' token ids as token bins (protocol 5.8)")
+    ap.add_argument("--sealed", action="store_true", help="jobs sealed, in SEALED_SUBMIT (protocol 5.9)")
     ap.add_argument("--sample-tokens", type=int, default=4, help="tokens of each job's one sample (default 4)")
     ap.add_argument(
         "--finals", default="final,sealed_final", help="the forms results come in, each measured (default both)"
@@ -152,7 +163,8 @@ def main() -> None:
     prompts = f"{args.prompt_tokens} token ids" if args.prompt_tokens else "100 characters"
     if args.prompt_tokens and args.token_bins:
         prompts += " in token bins"
-    print(f"{args.rounds} SUBMITs of {BATCH} jobs ({prompts} a prompt, {args.sample_tokens}-token samples), "
+    sealed = ", each job sealed (SEALED_SUBMIT)" if args.sealed else ""
+    print(f"{args.rounds} SUBMITs of {BATCH} jobs ({prompts} a prompt, {args.sample_tokens}-token samples{sealed}), "
           f"{args.workers} worker(s), pack step {args.pack_step}, heap_keep_mib {args.heap_keep_mib}")  # fmt: skip
     totals: dict[str, float] = {}
     for form in forms:
@@ -165,6 +177,7 @@ def main() -> None:
                 args.sample_tokens,
                 FORMS[form],
                 args.token_bins,
+                args.sealed,
             )
             for _ in range(args.samples)
         ]
