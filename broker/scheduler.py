@@ -76,8 +76,8 @@ class Scheduler(Results):
         self._client(identity, now)
 
     def submit(self, identity: ClientId, jobs: Sequence[p.JobSpec | p.JobRelay | p.SealedJob], now: float) -> None:
-        """Queue ``jobs`` (one message's: all of one type) for ``identity``, answering each it
-        refuses (a duplicate id, a full queue) and, where asked, ACCEPTED for the rest."""
+        """Queue ``jobs`` (one message's) for ``identity``, answering each it refuses (a duplicate
+        id, a full queue) and, where asked, ACCEPTED for the rest."""
         client = self._client(identity, now)
         accepted: list[str] = []
         new = 0
@@ -85,7 +85,7 @@ class Scheduler(Results):
         queue, jobs_here, submission = client.queue, client.jobs, Submission(now)
         idle = not queue and not self.affinity.holds(identity)  # not in ``_waiting``
         room = min(cfg.max_queue_per_client - client.num_queued, cfg.max_queue_total - self.num_queued)
-        sealed = bool(jobs) and type(jobs[0]) is p.SealedJob  # its worker gets the job's bytes as they came
+        sealed_job = p.SealedJob  # its worker gets the job's bytes as they came (``Job.wire``)
         for spec in jobs:
             jid = spec.job_id
             if spec.resubmitted and (jid in jobs_here or jid in (client.finished or ())):
@@ -111,7 +111,8 @@ class Scheduler(Results):
                 )
                 self.stats.rejected_busy += 1
             else:  # queued (as ``_enqueue``, its turn in ``_waiting`` taken once below)
-                jobs_here[jid] = job = Job(identity, spec, submission, spec.cost(), spec.job if sealed else spec)  # type: ignore[union-attr]
+                wire = spec.job if type(spec) is sealed_job else spec
+                jobs_here[jid] = job = Job(identity, spec, submission, spec.cost(), wire)
                 queue.append(job)
                 if spec.ack:
                     accepted.append(jid)
