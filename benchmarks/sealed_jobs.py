@@ -1,25 +1,23 @@
-"""What a job would cost the broker's codec if the client sealed it: a design probe, not the product.
+"""What sealing a job (SEALED_SUBMIT, docs/protocol.md section 5.9) costs and saves, per job.
 
     python benchmarks/sealed_jobs.py [--rounds 3000] [--samples 7] [--prompt-tokens 0] [--token-bins]
 
-Today the broker decodes every job of a SUBMIT into a ``JobRelay`` (fourteen fields, each
-checked; the prompt a new Python string; three ``Raw`` views; ``__post_init__`` in Python)
-and encodes it again, field by field, into a worker's JOBS. Results already skip that: a
-worker seals each one into a bin the broker steps over (``SealedResult``). This measures the
-same idea for jobs, with a probe type that exists only here (``SealedJobProbe``): each job is
-``[job_id, sampling (raw), job (bin: the job's own encoding, as the client makes it today),
-session_id, min_weight_version, max_staleness, on_stale, stream, resubmitted, ack]``, the
-fields the broker reads outside the bin and the bytes it only forwards inside it. The JOBS
-item for a worker becomes ``[ticket, job bin]``.
+A SUBMIT's job reaches the broker as a ``JobSpec``'s encoding, which the broker decodes into a
+``JobRelay`` (fourteen fields, each checked; the prompt a new Python string; three ``Raw``
+views; ``__post_init__`` in Python) and encodes again, field by field, into a worker's JOBS. A
+SEALED_SUBMIT carries each job whole beside copies of the fields the broker reads
+(``p.SealedJob``): the broker decodes the copies, steps over the job, and writes the job's
+bytes into JOBS as they came (``AssignmentRelay(ticket, job bytes, cost)``). The client pays
+for the copies.
 
-Per round, one SUBMIT of 64 jobs (``roles.PROMPT``, 100 characters, or with
-``--prompt-tokens N`` N token ids (``roles.prompt_ids``), as a token bin with ``--token-bins``) is decoded and its 64
-assignments encoded, both ways, interleaved; each way is timed by this thread's CPU time,
-best of ``--samples``. Prints us per job for decoding and encoding, each way, the bytes of a
-SUBMIT, and the ratio sealed / today. What it leaves out, and what a real SEALED_SUBMIT
-would need: the worker's checks of the bin (it decodes each job on its own already,
-``p.unseal``), a capability each side announces, and the broker's JOBS for a worker that
-cannot read sealed jobs.
+Per round, 64 jobs (``roles.PROMPT``, 100 characters, or with ``--prompt-tokens N`` N token ids
+(``roles.prompt_ids``), as a token bin with ``--token-bins``) are packed by the client
+(``pack_submits``), decoded by the broker's decoder (``codec.BROKER_FROM_CLIENT``) and their 64
+assignments encoded, each way (SUBMIT, SEALED_SUBMIT), interleaved; each step is timed by this
+thread's CPU time, best of ``--samples``. Prints us per job per step, each way, the bytes of a
+message, and the ratios sealed / SUBMIT for the broker's two steps and for the client's.
+(Until the twenty-first session this was a design probe with a type of its own; its figures
+are in benchmarks/README.md.)
 """
 
 from __future__ import annotations
@@ -28,42 +26,17 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 from roles import PROMPT, SAMPLING, prompt_ids
 
+from zmq_rollout import codec
 from zmq_rollout import protocol as p
-from zmq_rollout.codec import array_header
-from zmq_rollout.submissions import encode_job, sampling_wire
+from zmq_rollout.submissions import pack_submits, submit_command
 
 BATCH = 64
-
-
-class SealedJobProbe(msgspec.Struct, array_like=True, gc=False):
-    """A job as a sealed SUBMIT could carry it (this probe's own type; not on any wire)."""
-
-    job_id: Annotated[str, msgspec.Meta(min_length=1, max_length=p.MAX_JOB_ID)]
-    sampling: msgspec.Raw
-    job: memoryview
-    session_id: str | None = None
-    min_weight_version: Annotated[int, msgspec.Meta(ge=0)] = 0
-    max_staleness: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    on_stale: Literal["abort", "restart"] = "abort"
-    stream: bool = False
-    resubmitted: bool = False
-    ack: bool = False
-
-
-def submit_bodies(jobs: list[p.JobSpec], token_bins: bool) -> tuple[bytes, bytes]:
-    """One SUBMIT body of ``jobs`` as the client sends it today, and the same sealed."""
-    encoded = [encode_job(job, token_bins) for job in jobs]
-    today = array_header(len(jobs)) + b"".join(encoded)
-    sealed_jobs = [
-        SealedJobProbe(job.job_id, sampling_wire(job.sampling), memoryview(raw), ack=job.ack)
-        for job, raw in zip(jobs, encoded, strict=True)
-    ]
-    return today, msgspec.msgpack.encode(sealed_jobs)
+WAYS = {"submit": False, "sealed": True}
 
 
 def best(fn: Callable[[], Any], rounds: int, samples: int) -> float:
@@ -77,6 +50,20 @@ def best(fn: Callable[[], Any], rounds: int, samples: int) -> float:
     return min(times) / rounds / BATCH * 1e6
 
 
+def message(jobs: list[p.JobSpec], token_bins: bool, sealed: bool) -> list[Any]:
+    """The client's message of ``jobs`` (packed form), sealed or not."""
+    ((_, encoded),) = pack_submits(jobs, BATCH, 1 << 30, token_bins=token_bins, sealed=sealed)
+    return codec.encode(submit_command(sealed), encoded, packed=True)
+
+
+def assignments(body: list[Any]) -> list[p.AssignmentRelay]:
+    """What dispatch makes of a decoded message's jobs (``Job.wire``; tickets from 1000)."""
+    return [
+        p.AssignmentRelay(t, job.job if type(job) is p.SealedJob else job, job.cost())
+        for t, job in enumerate(body, 1000)
+    ]
+
+
 def measure(rounds: int, samples: int, prompt_tokens: int, token_bins: bool) -> dict[str, Any]:
     ids = prompt_ids(prompt_tokens)
     jobs = [
@@ -85,39 +72,43 @@ def measure(rounds: int, samples: int, prompt_tokens: int, token_bins: bool) -> 
         else p.JobSpec(f"j1234-{i}", SAMPLING, PROMPT, ack=False)
         for i in range(BATCH)
     ]
-    today, sealed = submit_bodies(jobs, token_bins)
-    relays_of = msgspec.msgpack.Decoder(list[p.JobRelay]).decode
-    sealed_of = msgspec.msgpack.Decoder(list[SealedJobProbe]).decode
+    decode = codec.Decoder(codec.BROKER_FROM_CLIENT).decode
     encode = msgspec.msgpack.Encoder().encode
-    relays, probes = relays_of(today), sealed_of(sealed)
-    assert [r.job_id for r in relays] == [s.job_id for s in probes]
-    relay = p.AssignmentRelay
-    out: dict[str, Any] = {"today_bytes": len(today), "sealed_bytes": len(sealed)}
-    for way, decode, body, jobs_of in (
-        ("today", relays_of, today, lambda: encode([relay(t, r) for t, r in enumerate(relays, 1000)])),
-        ("sealed", sealed_of, sealed, lambda: encode([(t, s.job) for t, s in enumerate(probes, 1000)])),
-    ):
-        out[f"{way}_decode_us"] = best(lambda d=decode, b=body: d(b), rounds, samples)
-        out[f"{way}_encode_us"] = best(jobs_of, rounds, samples)
+    opened = msgspec.msgpack.Decoder(list[p.SealedAssignment]).decode
+    out: dict[str, Any] = {}
+    forwarded = {}
+    for way, sealed in WAYS.items():
+        frames = message(jobs, token_bins, sealed)
+        body = decode(frames).body
+        forwarded[way] = [p.unseal(a) for a in opened(encode(assignments(body)))]
+        out[f"{way}_bytes"] = len(frames[0])
+        out[f"{way}_client_us"] = best(lambda s=sealed: message(jobs, token_bins, s), rounds, samples)
+        out[f"{way}_decode_us"] = best(lambda f=frames: decode(f), rounds, samples)
+        out[f"{way}_encode_us"] = best(lambda b=body: encode(assignments(b)), rounds, samples)
+    if forwarded["submit"] != forwarded["sealed"] or forwarded["sealed"][0] != p.Assignment(1000, jobs[0]):
+        raise RuntimeError("a worker would not get the same jobs both ways: the measurement is wrong")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3000, help="SUBMITs of 64 jobs per sample")
+    parser.add_argument("--rounds", type=int, default=3000, help="messages of 64 jobs per sample")
     parser.add_argument("--samples", type=int, default=7, help="samples per way; the best is kept")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="prompts of N token ids (0: 100 characters)")
     parser.add_argument("--token-bins", action="store_true", help="token ids as a token bin, as the client sends them")
     args = parser.parse_args()
     r = measure(args.rounds, args.samples, args.prompt_tokens, args.token_bins)
-    today = r["today_decode_us"] + r["today_encode_us"]
-    sealed = r["sealed_decode_us"] + r["sealed_encode_us"]
-    r["sealed_over_today"] = round(sealed / today, 3)
-    print(f"SUBMIT of {BATCH} jobs: {r['today_bytes']:,} bytes today, {r['sealed_bytes']:,} sealed (a design probe)")
-    print(f"{'':8} {'decode SUBMIT':>14} {'encode JOBS':>12} {'both':>8}  (us/job, thread CPU, best of samples)")
-    print(f"{'today':8} {r['today_decode_us']:14.3f} {r['today_encode_us']:12.3f} {today:8.3f}")
-    print(f"{'sealed':8} {r['sealed_decode_us']:14.3f} {r['sealed_encode_us']:12.3f} {sealed:8.3f}")
-    print(f"sealed / today: {r['sealed_over_today']:.3f}; saved {today - sealed:.3f} us/job of the broker's codec")
+    broker = {way: r[f"{way}_decode_us"] + r[f"{way}_encode_us"] for way in WAYS}
+    r["broker_sealed_over_submit"] = round(broker["sealed"] / broker["submit"], 3)
+    r["client_sealed_over_submit"] = round(r["sealed_client_us"] / r["submit_client_us"], 3)
+    print(f"{BATCH} jobs a message: {r['submit_bytes']:,} bytes as SUBMIT, {r['sealed_bytes']:,} as SEALED_SUBMIT")
+    print(f"{'':8} {'client packs':>12} {'broker decodes':>15} {'encodes JOBS':>13} {'broker':>8}  (us/job, CPU)")
+    for way in WAYS:
+        print(f"{way:8} {r[f'{way}_client_us']:12.3f} {r[f'{way}_decode_us']:15.3f} {r[f'{way}_encode_us']:13.3f} "
+              f"{broker[way]:8.3f}")  # fmt: skip
+    print(f"sealed / submit: broker {r['broker_sealed_over_submit']:.3f} "
+          f"(saves {broker['submit'] - broker['sealed']:.3f} us/job), client {r['client_sealed_over_submit']:.3f} "
+          f"(costs {r['sealed_client_us'] - r['submit_client_us']:+.3f} us/job)")  # fmt: skip
     print("RESULT " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
 
 
