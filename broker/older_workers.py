@@ -4,8 +4,8 @@ The broker forwards each job to its worker in the form the client gave it: token
 bin (``token_bins.py``) and, from a SEALED_SUBMIT, the job's own bytes (``p.SealedJob``). A
 worker whose READY does not list ``p.TOKEN_BINS`` gets the ids as an array; one that does not
 list ``p.SEALED_JOBS`` (it would not check a sealed job's ``sampling.n`` against the credits it
-was charged) gets each sealed job opened and checked here, and one that fails is answered as if
-that worker had refused it. Paid only for such workers; pure, no sockets.
+was charged), or not both, gets each sealed job opened and checked here, and one that fails is
+answered as if that worker had refused it. Paid only for such workers; pure, no sockets.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def fit_jobs(worker: WorkerState, assignments: list[Any]) -> tuple[list[Any], li
     refused: list[p.ErrorItem] = []
     for assignment in assignments:
         job = assignment.job
-        if type(job) is msgspec.Raw and not worker.checks_cost:
+        if type(job) is msgspec.Raw:  # a sealed job's bytes, to a worker that cannot take them as they are
             try:
                 job = _relay_decoder.decode(job)
             except DECODE_ERRORS as exc:

@@ -197,8 +197,13 @@ class Results(Dispatch):
 
     def worker_error(self, identity: WorkerId, errors: list[p.ErrorItem], now: float) -> None:
         worker = self.worker_seen(identity, now)
-        if worker is None:
-            return
+        if worker is not None:
+            self.fail_tickets(worker, errors, now)
+
+    def fail_tickets(self, worker: WorkerState, errors: list[p.ErrorItem], now: float) -> None:
+        """End ``worker``'s tickets that ``errors`` name (``key``: the ticket) with those errors to
+        their clients: the worker's own ERROR, or the broker's refusal of jobs it cannot send that
+        worker (``older_workers.py``; the worker did not speak: its liveness is left as it was)."""
         for err in errors:
             job = self._finish(worker, err.key)
             if job is None:

@@ -330,7 +330,7 @@ class Broker:
             if worker is not None and needs_fitting(worker):
                 body, refused = fit_jobs(worker, message)
                 if refused:  # answered as if the worker had refused them (``older_workers.py``)
-                    self.scheduler.worker_error(identity, refused, now)
+                    self.scheduler.fail_tickets(worker, refused, now)
                 if not body:
                     continue
             try:

@@ -15,6 +15,9 @@ from tests.helpers import poll_until
 from tests.raw_peers import Inbox, jobs_raw, raw_worker, send
 from zmq_rollout import SamplingParams, codec
 from zmq_rollout import protocol as p
+from zmq_rollout.broker.older_workers import fit_jobs
+from zmq_rollout.broker.scheduler import Scheduler
+from zmq_rollout.config import BrokerConfig
 from zmq_rollout.errors import ProtocolError
 from zmq_rollout.submissions import encode_job, pack_submits, submit_command
 
@@ -194,3 +197,21 @@ def test_the_client_seals_jobs_for_a_broker_that_reads_them(
     assert p.SEALED_SUBMIT in sent and p.SUBMIT not in sent
     assert [r.prompt_token_ids for r in out] == [[1, 2], [1, 2], [3], [3]]  # one result per sample of n=2
     assert broker.malformed() == {}
+
+
+def test_a_job_the_broker_cannot_send_a_worker_ends_without_refreshing_that_worker() -> None:
+    """``fit_jobs``' refusals end their tickets as a worker's ERROR would, but the worker did not
+    speak: a dead one must still expire."""
+    s = Scheduler(BrokerConfig())
+    s.worker_ready(b"w", p.WorkerInfo("w", "m", 4, 0, [p.TOKEN_BINS]), 0.0)
+    s.outbox.take()
+    lying = msgspec.structs.replace(p.SealedJob.of(JOB, encode_job(JOB, True)), n=1)
+    s.submit(b"c", [lying], 1.0)
+    ((_, _, command, body),) = [m for m in s.outbox.take() if m[2] == p.JOBS]
+    worker = s.workers[b"w"]
+    kept, refused = fit_jobs(worker, body)
+    assert (kept, [e.key for e in refused]) == ([], [body[0].ticket])
+    s.fail_tickets(worker, refused, 2.0)
+    assert (worker.last_seen, worker.credits_used, worker.running) == (0.0, 0, {})
+    ((_, _, command, errors),) = s.outbox.take()
+    assert command == p.ERROR and [(e.key, e.code) for e in errors] == [("s1", "invalid_request")]
