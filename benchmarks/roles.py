@@ -582,7 +582,10 @@ def _serve_doubles(
 
 
 def _ready(name: str, credits: int) -> list[bytes]:
-    """A fleet double's READY: it reads token bins (``p.unseal`` opens them) as the worker does."""
+    """A fleet double's READY: it reads token bins (``p.unseal`` opens them) and says it checks each
+    job's cost (``p.SEALED_JOBS``), as the worker does, so that the broker forwards it sealed jobs
+    as they came. A test double's shortcut: the lean one opens only its first job (its answer
+    template), the others not at all."""
     return codec.encode(p.READY, p.WorkerInfo(name, "echo-double", credits, 0, ["echo", p.TOKEN_BINS, p.SEALED_JOBS]))
 
 
