@@ -16,7 +16,7 @@ import msgspec
 
 from zmq_rollout import protocol as p
 from zmq_rollout.protocol.base import DECODE_ERRORS
-from zmq_rollout.protocol.jobs import cost_mismatch
+from zmq_rollout.protocol.sealed_jobs import cost_mismatch
 
 from .state import WorkerState
 

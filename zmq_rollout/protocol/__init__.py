@@ -6,6 +6,7 @@ protocol as p``; ``p.SUBMIT``, ``p.JobSpec``, ``p.Commit``):
 - ``commands``: the frames and the one-byte commands;
 - ``base``: the Struct base every body derives from, the limits, the range checks;
 - ``jobs``: jobs and their answers (SUBMIT, JOBS, PARTIAL, FINAL, ERROR);
+- ``sealed_jobs``: jobs the broker forwards unread (SEALED_SUBMIT; JOBS as a worker opens them);
 - ``relays``: answers as the broker relays them without decoding their tokens (SEALED_FINAL);
 - ``fleet``: READY and STATUS_REPLY;
 - ``steps``: the steps of a weight-sync round, one tagged Struct each, and what they carry;
@@ -56,7 +57,6 @@ from .commands import (
 )
 from .fleet import ClientStatus, JobTotals, Liveness, StatusReply, WorkerInfo, WorkerStatus
 from .jobs import (
-    SEALED_JOBS,
     Assignment,
     AssignmentRelay,
     ChatMessage,
@@ -67,11 +67,7 @@ from .jobs import (
     Result,
     Sample,
     SamplingParams,
-    SealedAssignment,
-    SealedJob,
     StructuredOutput,
-    sealed_job,
-    unseal,
 )
 from .relays import (
     SEAL_MIN_TOKENS,
@@ -84,6 +80,7 @@ from .relays import (
     splice_into,
     worth_sealing,
 )
+from .sealed_jobs import SEALED_JOBS, SealedAssignment, SealedJob, sealed_job, unseal
 from .steps import (
     BACKENDS,
     DTYPE_SIZES,
