@@ -243,8 +243,11 @@ share one, and comparing it costs a third of copying it for ``_sampling_checked`
 replaced whole: brokers on two threads read a pair that belongs together."""
 
 
-_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]
-_Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
+IdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]
+"""A job or session id as the broker's views of a job check it while decoding (``JobRelay``,
+``SealedJob``)."""
+VersionInt = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
+"""A weight version (or a count of them) as those views check it."""
 
 
 class JobRelay(Struct):
@@ -258,7 +261,7 @@ class JobRelay(Struct):
     one field are msgspec constraints, checked in C while decoding; ``__post_init__`` keeps
     those across fields. Never built in Python."""
 
-    job_id: _Id
+    job_id: IdText
     sampling: msgspec.Raw = _DEFAULT_SAMPLING
     prompt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
     messages: msgspec.Raw = NIL
@@ -267,12 +270,12 @@ class JobRelay(Struct):
     """Raw: the worker checks each id; here only that they are a list, or a token bin, of
     1..MAX_PROMPT_TOKENS (a bin costs no walk: ``token_bins.py``)."""
     stream: bool = False
-    min_weight_version: _Version = 0
+    min_weight_version: VersionInt = 0
     lora: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LORA_NAME)] | None = None
     resubmitted: bool = False
-    session_id: _Id | None = None
+    session_id: IdText | None = None
     session_end: bool = False
-    max_staleness: _Version | None = None
+    max_staleness: VersionInt | None = None
     on_stale: Literal["abort", "restart"] = "abort"
     ack: bool = True
 

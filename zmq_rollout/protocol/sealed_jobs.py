@@ -12,11 +12,9 @@ from typing import Annotated, cast
 
 import msgspec
 
-from .base import DECODE_ERRORS, MAX_JOB_ID, MAX_N, MAX_VERSION, Struct
-from .jobs import Assignment, ErrorItem, JobSpec, OnStale
+from .base import DECODE_ERRORS, MAX_N, Struct
+from .jobs import Assignment, ErrorItem, IdText, JobSpec, OnStale, VersionInt
 
-_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_JOB_ID)]
-_Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -30,16 +28,16 @@ class SealedJob(Struct):
     its job otherwise misroutes only its own jobs. Sent only to a broker whose HEARTBEAT answer
     says ``Liveness.sealed_jobs`` (docs/protocol.md section 5.9)."""
 
-    job_id: _Id
+    job_id: IdText
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
     """The job's ``sampling.n``: the credits it occupies on a worker."""
     job: msgspec.Raw
     ack: bool = True
     stream: bool = False
-    session_id: _Id | None = None
+    session_id: IdText | None = None
     session_end: bool = False
-    min_weight_version: _Version = 0
-    max_staleness: _Version | None = None
+    min_weight_version: VersionInt = 0
+    max_staleness: VersionInt | None = None
     on_stale: OnStale = "abort"
     resubmitted: bool = False
 
