@@ -140,12 +140,7 @@ class AsyncRolloutClient(WeightSyncMethods):
         for job in jobs:
             if job.job_id in self._pending:
                 raise InvalidRequestError(f"job id {job.job_id!r} is already in flight", job_id=job.job_id)
-        # may refuse one
-        conn = self._conn
-        sealed = conn.sealed_jobs
-        messages = pack_submits(
-            jobs, self.config.batch_size, self.config.max_message_bytes, token_bins=conn.token_bins, sealed=sealed
-        )
+        command, messages = self._packed(jobs)  # may refuse one
         for job in jobs:
             handle = _Pending(job, loop.create_future(), asyncio.Queue() if stream else None)
             self._pending[job.job_id] = handle
@@ -153,7 +148,7 @@ class AsyncRolloutClient(WeightSyncMethods):
         sent: list[str] = []
         try:
             for ids, encoded in messages:
-                await conn.send(submit_command(sealed), encoded)
+                await self._conn.send(command, encoded)
                 self._unanswered.sent(ids)
                 sent.extend(ids)
         except BaseException:
@@ -435,13 +430,20 @@ class AsyncRolloutClient(WeightSyncMethods):
             if handle.stream is not None:
                 handle.streamed = False
                 handle.stream.put_nowait(StreamRestarted(job.job_id))
-        config, conn = self.config, self._conn
-        sealed = conn.sealed_jobs
-        for ids, encoded in pack_submits(
-            jobs, config.batch_size, config.max_message_bytes, token_bins=conn.token_bins, sealed=sealed
-        ):
-            await conn.send(submit_command(sealed), encoded)
+        command, messages = self._packed(jobs)
+        for ids, encoded in messages:
+            await self._conn.send(command, encoded)
             self._unanswered.sent(ids)
+
+    def _packed(self, jobs: list[p.JobSpec]) -> tuple[bytes, list[tuple[list[str], list[msgspec.Raw]]]]:
+        """``jobs`` in the forms the broker said it reads (token bins, sealed jobs): the command
+        that carries them and its messages (``pack_submits``; raises for a job too big for one)."""
+        conn, config = self._conn, self.config
+        sealed = conn.sealed_jobs
+        messages = pack_submits(
+            jobs, config.batch_size, config.max_message_bytes, token_bins=conn.token_bins, sealed=sealed
+        )
+        return submit_command(sealed), messages
 
     def _dispatch(self, command: bytes, body: Any) -> None:
         pending, unanswered = self._pending, self._unanswered
