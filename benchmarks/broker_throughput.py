@@ -7,10 +7,13 @@
     python benchmarks/broker_throughput.py --scale    # 1 to 1,024 workers, 1 to 64 clients (broker_scale.py), ~3 min
     python benchmarks/broker_throughput.py --goal-pairs 5  # full run, then the 3x-HTTP goal's two cases as 5 pairs
 
-Every party is its own spawned process: the broker; the workers (*test doubles* that answer
-each job at once, spread over ``--worker-procs`` processes); each client. So what is measured is
-the broker's cost, and on a small machine every process competes for the same cores: the table
-shows each role's CPU use to tell a saturated broker from a starved one. Prompts are 100 bytes.
+Every party runs in spawned processes of its own: the broker; the workers (*test doubles* that
+answer each job at once, spread over ``--worker-procs`` processes); the clients, a process each,
+but in the batched broker and Curve cases, where they run in ``--batched-client-procs``
+processes (default 1), as the HTTP baseline's client is one process (``client_fleets``). So what
+is measured is the broker's cost, and on a small machine every process competes for the same
+cores: the table shows each role's CPU use to tell a saturated broker from a starved one.
+Prompts are 100 bytes.
 
 ``--doubles lean`` (the default): the workers are ``roles.echo_double_fleet`` (one thread per
 process serving its doubles' sockets) and clients and workers make their messages from byte
@@ -233,6 +236,19 @@ def wait_registered(address: str, num_workers: int, timeout: float = 30.0) -> No
         sock.close()
 
 
+def client_fleets(setup: Setup, args: argparse.Namespace) -> list[int]:
+    """How many clients each process of a case runs, where they share processes: the batched broker
+    and Curve cases with lean doubles, as ``roles.client_fleet`` (one thread serving their DEALERs)
+    in ``--batched-client-procs`` processes, as the HTTP baseline's one aiohttp process keeps all
+    its POSTs in flight. A process per client, each 2 threads with libzmq's, took a quarter of the
+    2 cores from the broker they loaded (benchmarks/README.md, twenty-second session). Empty: a
+    process per client (the unbatched cases, as zmq.proxy's clients; the RolloutClient's; all with
+    ``--batched-client-procs 0``)."""
+    if setup.kind in ("broker", "curve") and setup.batch > 1 and args.doubles == "lean" and args.batched_client_procs:
+        return split(setup.clients, args.batched_client_procs)
+    return []
+
+
 def split(total: int, procs: int) -> list[int]:
     procs = min(total, procs)
     return [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
@@ -337,10 +353,14 @@ def run_throughput(
                 "library": roles.library_client,
                 "proxy": roles.raw_client,
             }[setup.kind]
-        tags = [
-            g.start("clients", f"client{i}", target, address, setup.batch, setup.window, g.go, g.clock)
-            for i in range(setup.clients)
-        ]
+        run = (setup.batch, setup.window, g.go, g.clock)
+        fleets = client_fleets(setup, args)
+        if fleets:
+            tags = [
+                g.start("clients", f"clients{i}", roles.client_fleet, address, n, *run) for i, n in enumerate(fleets)
+            ]
+        else:
+            tags = [g.start("clients", f"client{i}", target, address, *run) for i in range(setup.clients)]
         g.expect("ready", tags + worker_tags)
         if setup.kind in ("broker", "curve", "library"):
             wait_registered(address, setup.workers)
@@ -370,6 +390,7 @@ def run_throughput(
         "workers": setup.workers,
         "jobs_per_message": setup.batch,
         "messages_in_flight_per_client": setup.window,
+        "client_processes": len(tags),
         "jobs_per_s": round(jobs / args.duration),
         "errors": sum(d["errors"] for d in done.values()),
         "cpu_cores": cpu,
@@ -684,6 +705,15 @@ def main() -> None:
         metavar="CxW,...",
         help="with --scale: only these CLIENTSxWORKERS shapes (e.g. 8x8,64x1024), instead of the table's",
     )
+    ap.add_argument(
+        "--batched-client-procs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the batched broker and Curve cases (lean doubles): processes their clients are spread over, each "
+        "one thread serving its clients' sockets, as the HTTP baseline's client is one process (default 1; 0: a "
+        "process per client, as before the twenty-second session)",
+    )
     ap.add_argument("--client-procs", type=int, default=2, help="with --scale: processes the clients are spread over")
     ap.add_argument(
         "--only",
@@ -754,6 +784,8 @@ def main() -> None:
         "pack_step=64,busy_poll_us=0 (default: the broker's own)",
     )
     args = ap.parse_args()
+    if args.batched_client_procs < 0:
+        ap.error(f"--batched-client-procs {args.batched_client_procs}: 0 (a process per client) or more")
     if args.batch_window < 1:
         ap.error(f"--batch-window {args.batch_window}: at least 1 SUBMIT in flight per client")
     if args.http_window < 1:

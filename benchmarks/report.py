@@ -103,6 +103,17 @@ def doubles_line(args: Any) -> str:
     )
 
 
+def clients_line(args: Any) -> str:
+    """How the broker cases' clients were laid out (``broker_throughput.client_fleets``)."""
+    procs = args.batched_client_procs
+    if args.doubles != "lean" or not procs:
+        return "one process each"
+    return (
+        f"one process each, but the batched broker and Curve cases': in {procs} process{'es' if procs > 1 else ''} "
+        "of one thread serving their sockets (as HTTP's one client process)"
+    )
+
+
 def report(
     rows: list[dict[str, Any]],
     latency: dict[str, list[int]],
@@ -119,7 +130,7 @@ def report(
     )
     print(f"workers: {doubles_line(args)}; zmq.proxy's workers: raw DEALER echo threads, spread the same way")
     print(
-        f"clients: one process each; unbatched = {SINGLE_WINDOW} one-job messages in flight per client, "
+        f"clients: {clients_line(args)}; unbatched = {SINGLE_WINDOW} one-job messages in flight per client, "
         f"batched = {args.batch_window} messages x {BATCH} jobs in flight per client; "
         "HTTP: 1 aiohttp process, "
         f"{args.http_window} POSTs in flight (1 or {BATCH} requests per POST); prompts: 100 bytes"

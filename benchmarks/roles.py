@@ -648,14 +648,18 @@ def client_fleet(report: Any, tag: str, address: str, num: int, batch: int, wind
     """``num`` clients as ``submit_client`` runs one (a raw DEALER speaking the protocol
     through the codec, its own identity, ``window`` SUBMITs of ``batch`` jobs in flight), all
     served by one thread polling their sockets. Each first sends a HEARTBEAT and waits for
-    the broker's answer: at ``ready`` the broker has registered every one of them."""
+    the broker's answer: at ``ready`` the broker has registered every one of them. With CurveZMQ
+    (a ``curve`` case), each uses the case's peer keys."""
     ctx = _many_sockets(num)
     decoder = codec.Decoder(codec.TO_CLIENT)
+    keys = curve_keys()
     socks = []
     for i in range(num):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{tag}-{i}".encode())
+        if keys is not None:
+            keys.apply(sock)
         sock.connect(address)
         sock.send_multipart(codec.encode(p.HEARTBEAT))
         socks.append(sock)
