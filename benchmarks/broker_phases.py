@@ -1,24 +1,27 @@
 """Where the broker's per-job CPU goes with 64 jobs a message, phase by phase, in one process.
 
-    python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--prompt-tokens 0]
-        [--token-bins] [--sealed] [--sample-tokens 4] [--finals final,sealed_final] [--heap-keep-mib 64]
+    python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--clients 1]
+        [--prompt-tokens 0] [--token-bins] [--sealed] [--sample-tokens 4] [--finals final,sealed_final]
+        [--heap-keep-mib 64]
 
 No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
 loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
-64 jobs (100-character prompts, as ``broker_throughput.py``'s clients send; or, with
-``--prompt-tokens N``, prompts of N token ids below 150,000, as an RL trainer sends; as token
-bins with ``--token-bins``, as the client sends them to a broker that reads them; each job
-sealed in a SEALED_SUBMIT with ``--sealed``, as the client sends them to a broker that reads them) is decoded,
-submitted, dispatched and its JOBS encoded; then one FINAL per JOBS message (one 4-token
-sample per job, as the echo doubles answer; or, with ``--sample-tokens N``, an N-token sample
-with its logprobs and the prompt's ids, as a worker answers an RL job) is decoded, handed to
-``worker_final`` and the client's FINAL encoded. ``--finals`` names the forms a worker sends
-its results in, each measured in turn: FINAL (the broker keeps token payloads raw, walking
-them) and SEALED_FINAL (each result a bin the broker steps over); the last line is the ratio
-of their totals. Each phase is timed by this thread's CPU time (``time.thread_time``),
-building the inputs is not. Prints us per job per phase, each phase's share, and the total
-against the issue's budget (issue 12, goal 1: 3 us per job for everything the broker does,
-sockets and polling included, which this leaves out).
+64 jobs from each of ``--clients`` clients (100-character prompts, as ``broker_throughput.py``'s
+clients send; or, with ``--prompt-tokens N``, prompts of N token ids below 150,000, as an RL
+trainer sends; as token bins with ``--token-bins``, as the client sends them to a broker that
+reads them; each job sealed in a SEALED_SUBMIT with ``--sealed``, as the client sends them to a
+broker that reads them) is decoded and submitted; one dispatch pass follows and its JOBS are
+encoded (with several clients, each worker gets their jobs in turn, so its results come back
+mixed, as in ``broker_throughput.py``'s 8c x 64w case); then one FINAL per JOBS message (one
+4-token sample per job, as the echo doubles answer; or, with ``--sample-tokens N``, an N-token
+sample with its logprobs and the prompt's ids, as a worker answers an RL job) is decoded,
+handed to ``worker_final`` and the clients' FINALs encoded. ``--finals`` names the forms a
+worker sends its results in, each measured in turn: FINAL (the broker keeps token payloads
+raw, walking them) and SEALED_FINAL (each result a bin the broker steps over); the last line
+is the ratio of their totals. Each phase is timed by this thread's CPU time
+(``time.thread_time``), building the inputs is not. Prints us per job per phase, each phase's
+share, and the total against the issue's budget (issue 12, goal 1: 3 us per job for everything
+the broker does, sockets and polling included, which this leaves out).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import gc
 import random
 import time
+from typing import Any
 
 import msgspec
 
@@ -51,6 +55,7 @@ def run(
     final: bytes = p.FINAL,
     token_bins: bool = False,
     sealed: bool = False,
+    clients: int = 1,
 ) -> dict[str, float]:
     s = Scheduler(BrokerConfig())
     s.defer_dispatch = True
@@ -76,18 +81,23 @@ def run(
     gc.collect()
     for r in range(rounds):
         now += 0.001
-        ids = [f"j{r}-{i}" for i in range(BATCH)]
-        if prompt_tokens:
-            specs = [p.JobSpec(i, sampling, prompt_token_ids=prompt_ids(), ack=False) for i in ids]
-        else:
-            specs = [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids]
-        prompts = {spec.job_id: spec.prompt_token_ids or [1, 2, 3, 4] for spec in specs}
-        ((_, encoded),) = pack_submits(specs, BATCH, 1 << 30, token_bins=token_bins, sealed=sealed)
-        submit = codec.encode(submit_command(sealed), encoded, packed=True)
-        t0 = clock()
-        message = from_client.decode(submit)
-        t1 = clock()
-        s.submit(b"client", message.body, now)
+        prompts: dict[str, Any] = {}
+        for c in range(clients):
+            ids = [f"j{r}-{c}-{i}" for i in range(BATCH)]
+            if prompt_tokens:
+                specs = [p.JobSpec(i, sampling, prompt_token_ids=prompt_ids(), ack=False) for i in ids]
+            else:
+                specs = [p.JobSpec(i, sampling, "x" * 100, ack=False) for i in ids]
+            prompts.update((spec.job_id, spec.prompt_token_ids or [1, 2, 3, 4]) for spec in specs)
+            ((_, encoded),) = pack_submits(specs, BATCH, 1 << 30, token_bins=token_bins, sealed=sealed)
+            submit = codec.encode(submit_command(sealed), encoded, packed=True)
+            t0 = clock()
+            message = from_client.decode(submit)
+            t1 = clock()
+            s.submit(f"client{c}".encode(), message.body, now)
+            t2 = clock()
+            spent["decode SUBMIT"] += t1 - t0
+            spent["submit"] += t2 - t1
         t2 = clock()
         s.flush_dispatch(now)
         t3 = clock()
@@ -95,8 +105,6 @@ def run(
         for _, _, command, body in out:
             codec.encode(command, body, packed=True)
         t4 = clock()
-        spent["decode SUBMIT"] += t1 - t0
-        spent["submit"] += t2 - t1
         spent["dispatch"] += t3 - t2
         spent["encode JOBS"] += t4 - t3
         for _, worker, command, body in out:
@@ -118,7 +126,7 @@ def run(
             spent["decode FINAL"] += t1 - t0
             spent["worker_final"] += t2 - t1
             spent["encode FINAL"] += t3 - t2
-        jobs += BATCH
+        jobs += BATCH * clients
     if s.stats.completed != jobs:
         raise RuntimeError(f"{s.stats.completed} of {jobs} jobs completed: the drive is wrong")
     return {phase: seconds / jobs * 1e6 for phase, seconds in spent.items()}
@@ -136,9 +144,10 @@ FORMS = {"final": p.FINAL, "sealed_final": p.SEALED_FINAL}
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3000, help="SUBMITs of 64 jobs (default 3000)")
+    ap.add_argument("--rounds", type=int, default=3000, help="rounds of one SUBMIT of 64 jobs a client (default 3000)")
     ap.add_argument("--workers", type=int, default=1, help="workers of 64 credits each (default 1)")
     ap.add_argument("--pack-step", type=int, default=1, help="the dispatch step (1: least loaded first)")
+    ap.add_argument("--clients", type=int, default=1, help="clients, each sending one SUBMIT a round (default 1)")
     ap.add_argument("--samples", type=int, default=3, help="runs; the one with the lowest total is printed")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts of this many token ids (0: 100 characters)")
     ap.add_argument("--token-bins", action="store_true", help="the prompts' token ids as token bins (protocol 5.8)")
@@ -164,7 +173,10 @@ def main() -> None:
     if args.prompt_tokens and args.token_bins:
         prompts += " in token bins"
     sealed = ", each job sealed (SEALED_SUBMIT)" if args.sealed else ""
-    print(f"{args.rounds} SUBMITs of {BATCH} jobs ({prompts} a prompt, {args.sample_tokens}-token samples{sealed}), "
+    if args.clients < 1 or args.clients * BATCH > args.workers * BATCH:
+        ap.error("--clients: 1 or more, and no more than --workers (each round's jobs must all fit at once)")
+    print(f"{args.rounds} rounds of {args.clients} SUBMIT(s) of {BATCH} jobs ({prompts} a prompt, "
+          f"{args.sample_tokens}-token samples{sealed}), "
           f"{args.workers} worker(s), pack step {args.pack_step}, heap_keep_mib {args.heap_keep_mib}")  # fmt: skip
     totals: dict[str, float] = {}
     for form in forms:
@@ -178,6 +190,7 @@ def main() -> None:
                 FORMS[form],
                 args.token_bins,
                 args.sealed,
+                args.clients,
             )
             for _ in range(args.samples)
         ]
