@@ -2,7 +2,7 @@
 
     python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--clients 1]
         [--prompt-tokens 0] [--token-bins] [--sealed] [--sample-tokens 4] [--finals final,sealed_final]
-        [--heap-keep-mib 64]
+        [--heap-keep-mib 64] [--gc-young 20000]
 
 No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
 loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
@@ -38,7 +38,9 @@ from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.broker.heap_keep import DEFAULT_KEEP_MIB, keep_freed_memory
 from zmq_rollout.broker.scheduler import Scheduler
+from zmq_rollout.broker.server import GC_YOUNG_THRESHOLD
 from zmq_rollout.config import BrokerConfig
+from zmq_rollout.gc_pauses import settle_heap
 from zmq_rollout.submissions import pack_submits, submit_command
 
 BATCH = 64
@@ -163,8 +165,16 @@ def main() -> None:
         help=f"keep this much freed memory, as a broker in its own process does (default {DEFAULT_KEEP_MIB}; 0: the "
         "allocator as it is)",
     )
+    ap.add_argument(
+        "--gc-young",
+        type=int,
+        default=GC_YOUNG_THRESHOLD,
+        help=f"new objects between collections of the youngest generation, as a broker in its own process sets it "
+        f"(default {GC_YOUNG_THRESHOLD}; 700 is Python's own)",
+    )
     args = ap.parse_args()
     keep_freed_memory(args.heap_keep_mib)
+    settle_heap(args.gc_young)
     forms = args.finals.split(",")
     unknown = set(forms) - set(FORMS)
     if unknown:
@@ -177,7 +187,8 @@ def main() -> None:
         ap.error("--clients: 1 or more, and no more than --workers (each round's jobs must all fit at once)")
     print(f"{args.rounds} rounds of {args.clients} SUBMIT(s) of {BATCH} jobs ({prompts} a prompt, "
           f"{args.sample_tokens}-token samples{sealed}), "
-          f"{args.workers} worker(s), pack step {args.pack_step}, heap_keep_mib {args.heap_keep_mib}")  # fmt: skip
+          f"{args.workers} worker(s), pack step {args.pack_step}, heap_keep_mib {args.heap_keep_mib}, "
+          f"gc young {args.gc_young}")  # fmt: skip
     totals: dict[str, float] = {}
     for form in forms:
         runs = [
