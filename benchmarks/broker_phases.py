@@ -15,7 +15,8 @@ encoded (with several clients, each worker gets their jobs in turn, so its resul
 mixed, as in ``broker_throughput.py``'s 8c x 64w case); then one FINAL per JOBS message (one
 4-token sample per job, as the echo doubles answer; or, with ``--sample-tokens N``, an N-token
 sample with its logprobs and the prompt's ids, as a worker answers an RL job) is decoded,
-handed to ``worker_final`` and the clients' FINALs encoded. ``--finals`` names the forms a
+handed to ``worker_final``, and the clients' FINALs are taken and encoded once a round, as the
+socket loop takes them once a pass. ``--finals`` names the forms a
 worker sends its results in, each measured in turn: FINAL (the broker keeps token payloads
 raw, walking them) and SEALED_FINAL (each result a bin the broker steps over); the last line
 is the ratio of their totals. Each phase is timed by this thread's CPU time
@@ -122,12 +123,12 @@ def run(
             s.worker_final(worker, message.body, now + 0.0005)
             s.flush_dispatch(now)
             t2 = clock()
-            for _, _, cmd, reply in s.outbox.take():
-                codec.encode(cmd, reply, packed=True)
-            t3 = clock()
             spent["decode FINAL"] += t1 - t0
             spent["worker_final"] += t2 - t1
-            spent["encode FINAL"] += t3 - t2
+        t2 = clock()  # the round's FINALs to their clients, taken once as a loop pass takes them
+        for _, _, cmd, reply in s.outbox.take():
+            codec.encode(cmd, reply, packed=True)
+        spent["encode FINAL"] += clock() - t2
         jobs += BATCH * clients
     if s.stats.completed != jobs:
         raise RuntimeError(f"{s.stats.completed} of {jobs} jobs completed: the drive is wrong")
