@@ -20,9 +20,9 @@ WORKER = 1
 class Outbox:
     def __init__(self) -> None:
         self._peers: dict[tuple[int, bytes], list[list[Any]]] = {}
-        self._finals: dict[bytes, tuple[tuple[Any, ...], list[list[Any]]]] = {}
-        """Per client, until ``take``: what ``keep_final`` gave (its FINAL list last) and the
-        client's segments."""
+        self.finals: dict[bytes, Any] = {}
+        """Per client, what ``keep_final`` gave (its FINAL list last), while that list is the
+        client's last message: until ``take``, or anything else is queued for that client."""
 
     def _segments(self, side: int, identity: bytes) -> list[list[Any]]:
         segments = self._peers.get((side, identity))
@@ -31,9 +31,13 @@ class Outbox:
         return segments
 
     def to_client(self, identity: bytes, command: bytes, item: Any) -> None:
+        if self.finals:
+            self.finals.pop(identity, None)  # its FINAL list may no longer be its last message
         append(self._segments(CLIENT, identity), command, item)
 
     def to_client_many(self, identity: bytes, command: bytes, items: list[Any]) -> None:
+        if self.finals:
+            self.finals.pop(identity, None)
         segments = self._segments(CLIENT, identity)
         if segments and segments[-1][0] == command:
             segments[-1][1].extend(items)
@@ -49,6 +53,8 @@ class Outbox:
         FINAL message's results per client), without a lookup per item."""
         segments = self._segments(side, identity)
         if not segments or segments[-1][0] != command:
+            if side == CLIENT:
+                self.finals.pop(identity, None)
             segments.append([command, []])
         return segments[-1][1]
 
@@ -59,39 +65,30 @@ class Outbox:
         segments = self._segments(CLIENT, identity)
         if segments and segments[-1][0] == FINAL and type(segments[-1][1]) is SplicedFinal:
             return segments[-1][1]
+        self.finals.pop(identity, None)
         out = SplicedFinal()
         segments.append([FINAL, out])
         return out
 
     def keep_final(self, identity: bytes, kept: tuple[Any, ...], sealed: bool) -> Any:
         """``kept`` with the client's FINAL list added as its last item (``sealed_finals_to`` with
-        ``sealed``, else ``items_to``), remembered until ``take``: ``kept_final`` gives it back
-        while that list is still the client's last message. So one pass's FINALs, from many
-        workers, go to a client as one message without a lookup of its list (and of what the
-        caller keeps with it) per FINAL: with 64 clients, a worker's FINAL holds results for
-        most of them, one or two each."""
+        ``sealed``, else ``items_to``), kept in ``finals`` while that list is the client's last
+        message. So one pass's FINALs, from many workers, go to a client as one message without a
+        lookup of its list (and of what the caller keeps with it) per FINAL, nor per client per
+        FINAL: with 8 clients, a worker's FINAL holds results for each, 8 in a row."""
         out = self.sealed_finals_to(identity) if sealed else self.items_to(CLIENT, identity, FINAL)
-        part = (*kept, out)
-        self._finals[identity] = (part, self._peers[(CLIENT, identity)])
+        part = self.finals[identity] = (*kept, out)
         return part
-
-    def kept_final(self, identity: bytes) -> Any:
-        """What ``keep_final`` gave for ``identity``, while nothing went to that client after its
-        FINAL list since (else None): its results may still go into that list."""
-        entry = self._finals.get(identity)
-        if entry is not None and entry[1][-1][1] is entry[0][-1]:
-            return entry[0]
-        return None
 
     def forget_final(self, identity: bytes) -> None:
         """Drop what ``keep_final`` kept for ``identity`` (its state is gone or changed)."""
-        self._finals.pop(identity, None)
+        self.finals.pop(identity, None)
 
     def take(self) -> list[tuple[int, bytes, bytes, Any]]:
         """Everything pending as ``(side, identity, command, body)``; in order for each peer,
         workers first (their JOBS start work; a client's ACCEPTED can wait microseconds)."""
         peers, self._peers = self._peers, {}
-        self._finals.clear()
+        self.finals.clear()
         ordered = sorted(peers.items(), key=lambda kv: kv[0][0] != WORKER)
         return [(side, ident, cmd, body) for (side, ident), segments in ordered for cmd, body in segments]
 

@@ -59,10 +59,11 @@ class Results(Dispatch):
         if worker is None:
             return
         fleet = self.sync.fleet_version
-        # Per client of this message's results (dispatch gives a worker the clients' jobs in
-        # turn, so the client changes from one result to the next): its state, its answered ids
-        # while it is young (``_answered``) and its FINAL list, while nothing else goes to it.
-        parts: dict[ClientId, tuple[ClientState | None, list[str] | None, list[Any]]] = {}
+        # Per client of this pass's results (dispatch gives a worker the clients' jobs in turn,
+        # so the client changes from one result to the next): its state, its answered ids while
+        # it is young (``_answered``) and its FINAL list, while nothing else goes to it
+        # (``Outbox.finals``: anything else queued for the client drops its entry).
+        parts: dict[ClientId, tuple[ClientState | None, list[str] | None, list[Any]]] = self.outbox.finals
         running_here, relay, sealed, spliced = worker.running, p.ResultRelay, p.SealedResult, p.SplicedFinal
         # The metrics per block (``staleness.py``): each submission's latency once (``tally``);
         # samples of the fleet's version counted at once; a result that crossed a sync, alone.
@@ -75,16 +76,15 @@ class Results(Dispatch):
                 self.stats.late_replies += 1
                 continue
             spec = job.spec
-            if spec.max_staleness is not None:
-                parts.clear()  # it may send an ERROR or ACCEPTED: later FINALs go after it
-                if self._taken_too_stale(worker, job, result, fleet, now):
-                    continue
+            # Too stale, it is answered or queued again (an ERROR or ACCEPTED drops its client's part).
+            if spec.max_staleness is not None and self._taken_too_stale(worker, job, result, fleet, now):
+                continue
             cost = job.cost
             freed += cost  # ``worker.credits_used``, less, once after the loop
             jid = spec.job_id
             part = parts.get(job.client)
             if part is None:
-                part = parts[job.client] = self._final_part(job.client, type(result) is sealed)
+                part = self._final_part(job.client, type(result) is sealed)
             client, remember, out = part
             if client is not None:
                 client.jobs.pop(jid, None)
@@ -114,13 +114,10 @@ class Results(Dispatch):
         self.dispatch_soon(now)
 
     def _final_part(self, identity: ClientId, sealed: bool) -> tuple[ClientState | None, list[str] | None, list[Any]]:
-        """What ``worker_final`` keeps per client of a FINAL's results: its state, its answered ids
+        """What ``worker_final`` keeps per client of a pass's results: its state, its answered ids
         while it is young (``_answered``), and the FINAL list its results go into (for sealed
         results a ``SplicedFinal``: each spliced as it is written). Made once per client per
         outbox take, while that list stays the client's last message (``Outbox.keep_final``)."""
-        part = self.outbox.kept_final(identity)
-        if part is not None:
-            return part
         client = self.clients.get(identity)
         remember = None if client is None or client.finished is None else client.finished.ids
         return self.outbox.keep_final(identity, (client, remember), sealed)
