@@ -16,13 +16,14 @@ mixed, as in ``broker_throughput.py``'s 8c x 64w case); then one FINAL per JOBS 
 4-token sample per job, as the echo doubles answer; or, with ``--sample-tokens N``, an N-token
 sample with its logprobs and the prompt's ids, as a worker answers an RL job) is decoded,
 handed to ``worker_final``, and the clients' FINALs are taken and encoded once a round, as the
-socket loop takes them once a pass. ``--finals`` names the forms a
-worker sends its results in, each measured in turn: FINAL (the broker keeps token payloads
-raw, walking them) and SEALED_FINAL (each result a bin the broker steps over); the last line
-is the ratio of their totals. Each phase is timed by this thread's CPU time
-(``time.thread_time``), building the inputs is not. Prints us per job per phase, each phase's
-share, and the total against the issue's budget (issue 12, goal 1: 3 us per job for everything
-the broker does, sockets and polling included, which this leaves out).
+socket loop takes them once a pass. ``--finals`` names the forms a worker sends its results in,
+each measured in turn: FINAL (the broker keeps token payloads raw, walking them) and
+SEALED_FINAL (each result a bin the broker steps over); the last line is the ratio of their
+totals. The heap is settled as a broker's own process settles it (``--gc-young``). Each phase
+is timed by this thread's CPU time (``time.thread_time``), building the inputs is not. Prints
+us per job per phase, each phase's share, and the total against the issue's budget (issue 12,
+goal 1: 3 us per job for everything the broker does, sockets and polling included, which this
+leaves out).
 """
 
 from __future__ import annotations
