@@ -185,7 +185,7 @@ def main() -> None:
     if args.prompt_tokens and args.token_bins:
         prompts += " in token bins"
     sealed = ", each job sealed (SEALED_SUBMIT)" if args.sealed else ""
-    if args.clients < 1 or args.clients * BATCH > args.workers * BATCH:
+    if not 1 <= args.clients <= args.workers:
         ap.error("--clients: 1 or more, and no more than --workers (each round's jobs must all fit at once)")
     print(f"{args.rounds} rounds of {args.clients} SUBMIT(s) of {BATCH} jobs ({prompts} a prompt, "
           f"{args.sample_tokens}-token samples{sealed}), "

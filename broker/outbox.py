@@ -30,15 +30,18 @@ class Outbox:
             segments = self._peers[(side, identity)] = []
         return segments
 
-    def to_client(self, identity: bytes, command: bytes, item: Any) -> None:
-        if self.finals:
-            self.finals.pop(identity, None)  # its FINAL list may no longer be its last message
-        append(self._segments(CLIENT, identity), command, item)
-
-    def to_client_many(self, identity: bytes, command: bytes, items: list[Any]) -> None:
+    def _client_segments(self, identity: bytes) -> list[list[Any]]:
+        """A client's segments, for something other than its kept FINAL list: that list may no
+        longer be its last message, so its entry in ``finals`` goes."""
         if self.finals:
             self.finals.pop(identity, None)
-        segments = self._segments(CLIENT, identity)
+        return self._segments(CLIENT, identity)
+
+    def to_client(self, identity: bytes, command: bytes, item: Any) -> None:
+        append(self._client_segments(identity), command, item)
+
+    def to_client_many(self, identity: bytes, command: bytes, items: list[Any]) -> None:
+        segments = self._client_segments(identity)
         if segments and segments[-1][0] == command:
             segments[-1][1].extend(items)
         else:
