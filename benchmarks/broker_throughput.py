@@ -46,7 +46,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling role mod
 
 import profiling
 import roles
-from report import BATCH, BATCH_WINDOW, HTTP_WINDOW, SINGLE_WINDOW, percentile_us, report, report_comparison
+from report import (
+    BATCH,
+    BATCH_WINDOW,
+    HTTP_WINDOW,
+    SINGLE_WINDOW,
+    clients_share_processes,
+    percentile_us,
+    report,
+    report_comparison,
+)
 
 from zmq_rollout.config import BrokerConfig, WorkerConfig
 
@@ -244,7 +253,7 @@ def client_fleets(setup: Setup, args: argparse.Namespace) -> list[int]:
     2 cores from the broker they loaded (benchmarks/README.md, twenty-second session). Empty: a
     process per client (the unbatched cases, as zmq.proxy's clients; the RolloutClient's; all with
     ``--batched-client-procs 0``)."""
-    if setup.kind in ("broker", "curve") and setup.batch > 1 and args.doubles == "lean" and args.batched_client_procs:
+    if setup.kind in ("broker", "curve") and setup.batch > 1 and clients_share_processes(args):
         return split(setup.clients, args.batched_client_procs)
     return []
 

@@ -103,10 +103,16 @@ def doubles_line(args: Any) -> str:
     )
 
 
+def clients_share_processes(args: Any) -> bool:
+    """Whether the batched broker and Curve cases run their clients several to a process
+    (``broker_throughput.client_fleets``): with lean doubles and ``--batched-client-procs``."""
+    return args.doubles == "lean" and bool(args.batched_client_procs)
+
+
 def clients_line(args: Any) -> str:
     """How the broker cases' clients were laid out (``broker_throughput.client_fleets``)."""
     procs = args.batched_client_procs
-    if args.doubles != "lean" or not procs:
+    if not clients_share_processes(args):
         return "one process each"
     return (
         f"one process each, but the batched broker and Curve cases': in {procs} process{'es' if procs > 1 else ''} "
