@@ -2,7 +2,7 @@
 
     python benchmarks/broker_phases.py [--rounds 3000] [--workers 1] [--pack-step 1] [--clients 1]
         [--prompt-tokens 0] [--token-bins] [--sealed] [--sample-tokens 4] [--finals final,sealed_final]
-        [--heap-keep-mib 64] [--gc-young 20000]
+        [--heap-keep-mib 64] [--gc-young 20000] [--json]
 
 No sockets and no other process: the product's ``Scheduler`` and codec, driven as the socket
 loop drives them (``defer_dispatch``, one dispatch pass per message). Per round, one SUBMIT of
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
 import time
 from typing import Any
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument(
         "--finals", default="final,sealed_final", help="the forms results come in, each measured (default both)"
     )
+    ap.add_argument("--json", action="store_true", help="also print the best run of each form as one JSON line, last")
     ap.add_argument(
         "--heap-keep-mib",
         type=int,
@@ -192,6 +194,7 @@ def main() -> None:
           f"{args.workers} worker(s), pack step {args.pack_step}, heap_keep_mib {args.heap_keep_mib}, "
           f"gc young {args.gc_young}")  # fmt: skip
     totals: dict[str, float] = {}
+    bests: dict[str, dict[str, float]] = {}
     for form in forms:
         runs = [
             run(
@@ -207,7 +210,7 @@ def main() -> None:
             )
             for _ in range(args.samples)
         ]
-        best = min(runs, key=lambda r: sum(r.values()))
+        best = bests[form] = min(runs, key=lambda r: sum(r.values()))
         total = totals[form] = sum(best.values())
         print(f"results as {form.upper()}: best of {args.samples} runs "
               f"(totals {', '.join(f'{sum(r.values()):.2f}' for r in runs)} us/job)")  # fmt: skip
@@ -218,6 +221,8 @@ def main() -> None:
     if len(totals) == 2 and "final" in totals:
         (other,) = set(totals) - {"final"}
         print(f"{other.upper()} / FINAL, total per job: {totals[other] / totals['final']:.2f}x")
+    if args.json:
+        print(json.dumps({form: {**best, "total": totals[form]} for form, best in bests.items()}))
 
 
 if __name__ == "__main__":

@@ -296,6 +296,24 @@ def run_tree_scheduler(tree: Tree, args: argparse.Namespace) -> float:
     return float(result["us_per_job"])
 
 
+FLOOR_CASE = ["--workers", "64", "--pack-step", "64", "--clients", "8", "--sealed", "--finals", "final"]
+"""``broker_phases.py``'s arguments for the goal's case (8c x 64w batched, sealed jobs, FINALs)."""
+
+
+def in_process_floor(args: argparse.Namespace) -> float:
+    """The goal's case's scheduler and codec alone, in a fresh process (``broker_phases.py``):
+    us of CPU per job, the best of a few samples. What this machine charges, at this moment, for
+    the broker's work before any socket, poll or loop; a full run measures it at its start and
+    end, so that its absolute figures can be read against the machine's speed."""
+    rounds, samples = ("20", "1") if args.quick else ("300", "3")
+    command = [sys.executable, str(Path(__file__).with_name("broker_phases.py")), *FLOOR_CASE]
+    command += ["--rounds", rounds, "--samples", samples, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"broker_phases.py failed:\n{done.stderr}")
+    return float(json.loads(done.stdout.splitlines()[-1])["final"]["total"])
+
+
 def start_servers(
     g: Group, setup: Setup, args: argparse.Namespace, profile: str | None = None, tree: Tree | None = None
 ) -> tuple[str, list[str]]:
@@ -847,6 +865,8 @@ def main() -> None:
         compare(args)
         return
     started = time.monotonic()
+    floor = [in_process_floor(args)]
+    print(f"  the scheduler and codec alone, in one process: {floor[0]:.2f} us/job", flush=True)
     latency: dict[str, list[int]] = {}
     for path in LATENCY_PATHS if selected(args, "latency") else ():
         latency[path] = run_latency(path, args)
@@ -859,7 +879,8 @@ def main() -> None:
         setups[setup.name] = setup
         print(f"  {rows[-1]['case']:<40} {rows[-1]['jobs_per_s']:>10,} jobs/s", flush=True)
     pairs = goal_pairs(rows, setups, args) if args.goal_pairs else []
-    report(rows, latency, args, time.monotonic() - started, pairs)
+    floor.append(in_process_floor(args))
+    report(rows, latency, args, time.monotonic() - started, pairs, floor)
 
 
 def goal_pairs(rows: list[dict[str, Any]], setups: dict[str, Setup], args: argparse.Namespace) -> list[dict[str, Any]]:
