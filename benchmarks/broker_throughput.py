@@ -288,12 +288,18 @@ def run_tree_scheduler(tree: Tree, args: argparse.Namespace) -> float:
     """``roles.tree_scheduler``: the scheduler of ``tree`` alone, in process; best us/job."""
     rounds, samples = (50, 5) if args.quick else (200, 9)
     command = roles.tree_command(tree.path, f"tree_scheduler({tree.path!r}, {rounds}, {samples})")
-    done = subprocess.run(command, cwd=tree.path, capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {tree.label} scheduler run failed:\n{done.stderr}")
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = last_json_line(command, f"the {tree.label} scheduler run", cwd=tree.path)
     _own_files(tree, result["files"])
     return float(result["us_per_job"])
+
+
+def last_json_line(command: list[str], what: str, cwd: str | None = None) -> Any:
+    """Run ``command`` (an in-process measurement in a fresh interpreter) and return the JSON of
+    the last line it printed; raises with its stderr if it failed."""
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stderr}")
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 FLOOR_CASE = ["--workers", "64", "--pack-step", "64", "--clients", "8", "--sealed", "--finals", "final"]
@@ -308,10 +314,7 @@ def in_process_floor(args: argparse.Namespace) -> float:
     rounds, samples = ("20", "1") if args.quick else ("300", "3")
     command = [sys.executable, str(Path(__file__).with_name("broker_phases.py")), *FLOOR_CASE]
     command += ["--rounds", rounds, "--samples", samples, "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"broker_phases.py failed:\n{done.stderr}")
-    return float(json.loads(done.stdout.splitlines()[-1])["final"]["total"])
+    return float(last_json_line(command, "broker_phases.py")["final"]["total"])
 
 
 def start_servers(

@@ -301,7 +301,7 @@ def floor_line(floor: list[float], through_sockets: float | None) -> str:
     """What the machine charged, during this run, for the goal's case's scheduler and codec alone
     (``floor``: us/job at the run's start and end, ``broker_throughput.in_process_floor``), against
     the 3 us budget and the broker's CPU per job through sockets. The same code has measured
-    1.9-2.2 us/job there on a quiet machine and 3.7-5.4 on a slow one: a run's absolute figures
+    1.9-2.2 us/job there on a quiet machine and 3.7-5.9 on a slow one: a run's absolute figures
     compare with another run's only where these agree."""
     worst = max(floor)
     line = (
@@ -310,7 +310,7 @@ def floor_line(floor: list[float], through_sockets: float | None) -> str:
         f"{worst / GOAL_BATCHED_US_PER_JOB:.2f}x the budget"
     )
     if through_sockets:
-        line += f"; through sockets the best batched case took {through_sockets / max(min(floor), 1e-9):.2f}x that"
+        line += f"; through sockets the best batched case took {through_sockets / min(floor):.2f}x that"
     if min(floor) > GOAL_BATCHED_US_PER_JOB:
         line += ": on this machine now, the budget is out of reach before any socket"
     return line + ")"
