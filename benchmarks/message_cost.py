@@ -1,10 +1,12 @@
 """What one message costs the broker's thread, and how much of it is waking other threads.
 
-    python benchmarks/message_cost.py [--round-trips 3000] [--forms split,packed]
+    python benchmarks/message_cost.py [--round-trips 3000] [--forms split,packed] [--parts]
 
 One broker (``Broker``, its loop not running), one client DEALER and one worker DEALER, in one
-process. Per round trip: the client sends a one-job SUBMIT; the broker reads it and flushes
-(JOBS out); the worker answers FINAL; the broker reads it and flushes (FINAL out). Only the
+process. The worker announces what a current worker reads (token bins, sealed jobs: its JOBS
+go out as they came; before the twenty-fifth session it announced nothing, and each JOBS went
+through ``older_workers.fit_jobs``). Per round trip: the client sends a one-job SUBMIT; the
+broker reads it and flushes (JOBS out); the worker answers FINAL; the broker reads it and flushes (FINAL out). Only the
 broker's ``_read`` + ``_flush`` are timed, by this thread's CPU time. No poll loop, no busy
 polling: what a message costs the broker's thread.
 
@@ -15,6 +17,15 @@ is a plain context switch. The ratio (pinned / unpinned) is the share of a messa
 is not Python but cross-CPU wake-ups. Run it on a quiet machine: what costs is waking an
 idle (halted) CPU, so with other load on every CPU the two figures meet. Prints both, the ratio
 and a RESULT line.
+
+``--parts``: instead, where a one-job round trip's time goes in the broker's thread, in this
+process, packed form, every CPU: the broker's own functions are wrapped with a wall clock
+(``PartClock``), so each call of ``recv_frames`` (a message read, or the read that finds none
+and ends ``_read``, raising ``zmq.Again``), of the message handlers (decoding and the
+scheduler), of the dispatch pass, of ``codec.encode`` and of ``send_frames`` is timed; the
+rest of ``_read`` and ``_flush`` is ``other``. Wall time (the thread CPU clock is a system call
+of 1-2 us here, as long as some parts); the thread CPU per round trip is printed beside it.
+It tells the libzmq calls (reads and sends) from the Python (handlers, dispatch, encoding).
 
 Each is measured for both message forms (docs/protocol.md section 2.0): the peers send
 ``split`` (signature, command and header in three frames; the broker answers split) or
@@ -30,10 +41,92 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
+
+PARTS = ("read a message", "read none (ends _read)", "handler", "dispatch pass", "encode", "send", "other")
+"""``--parts``: what ``PartClock`` times (``other``: the rest of ``_read`` and ``_flush``)."""
 
 
-def measure(round_trips: int, packed: bool = False) -> float:
-    """Broker thread CPU per one-job round trip, in us."""
+class PartClock:
+    """Wall time (ns) of the broker's parts while ``on``: ``wrap`` puts a timer around a callable."""
+
+    def __init__(self) -> None:
+        self.ns = dict.fromkeys(PARTS, 0)
+        self.calls = 0
+        """Timed calls: each adds the timer's own cost (``timer_ns``) to ``other``."""
+        self.on = False
+
+    def wrap(self, part: str, fn: Any) -> Any:
+        clock, ns = time.perf_counter_ns, self.ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            self.calls += 1
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns[part] += clock() - start
+
+        return timed
+
+    @staticmethod
+    def timer_ns(calls: int = 20_000) -> float:
+        """What a timer adds to a call, in ns: a timed no-op against a bare one."""
+        probe = PartClock()
+        bare, timed = (lambda: None), probe.wrap("other", lambda: None)
+        probe.on = True
+        clock = time.perf_counter_ns
+        start = clock()
+        for _ in range(calls):
+            bare()
+        mid = clock()
+        for _ in range(calls):
+            timed()
+        return max(0.0, ((clock() - mid) - (mid - start)) / calls)
+
+    def install(self, broker: Any) -> Any:
+        """Time ``broker``'s parts: its module's ``recv_frames``, ``send_frames`` and ``codec.encode``,
+        and its scheduler's ``flush_dispatch`` (the handlers are wrapped where ``measure`` passes them).
+        Returns what puts the module's functions back."""
+        import types
+
+        import zmq
+
+        from zmq_rollout import codec
+        from zmq_rollout.broker import server
+
+        read = server.recv_frames
+        clock, ns = time.perf_counter_ns, self.ns
+
+        def recv_frames(sock: Any) -> Any:
+            if not self.on:
+                return read(sock)
+            self.calls += 1
+            start = clock()
+            try:
+                got = read(sock)
+            except zmq.Again:
+                ns["read none (ends _read)"] += clock() - start
+                raise
+            ns["read a message"] += clock() - start
+            return got
+
+        wrapped = types.SimpleNamespace(**{k: getattr(codec, k) for k in dir(codec) if not k.startswith("__")})
+        wrapped.encode = self.wrap("encode", codec.encode)
+        timed = {"recv_frames": recv_frames, "send_frames": self.wrap("send", server.send_frames), "codec": wrapped}
+        kept = {name: getattr(server, name) for name in timed}
+        for name, value in timed.items():  # ``codec``: the broker's encoding; its peers' here stays untimed
+            setattr(server, name, value)
+        broker.scheduler.flush_dispatch = self.wrap("dispatch pass", broker.scheduler.flush_dispatch)
+        return lambda: [setattr(server, name, value) for name, value in kept.items()]
+
+
+def measure(round_trips: int, packed: bool = False, parts: PartClock | None = None) -> float:
+    """Broker thread CPU per one-job round trip, in us. ``parts``: also time the broker's parts
+    into it (``PartClock.ns``; ``other``, the rest of ``_read`` and ``_flush``), summed over the
+    measured round trips."""
     import zmq
 
     from zmq_rollout import codec
@@ -48,38 +141,58 @@ def measure(round_trips: int, packed: bool = False) -> float:
     worker = ctx.socket(zmq.DEALER)
     worker.connect(broker.backend_address)
 
+    on_client, on_worker, restore = broker._on_client, broker._on_worker, None
+    if parts is not None:
+        restore = parts.install(broker)
+        on_client, on_worker = parts.wrap("handler", on_client), parts.wrap("handler", on_worker)
+    wall = 0
+
     def serve(sock: zmq.Socket[bytes], handler: object) -> int:
         """The broker's part for the next message on ``sock``: its thread CPU time in ns."""
+        nonlocal wall
         while not sock.poll(5000):
             raise TimeoutError("no message for the broker within 5 s")
-        start = time.thread_time_ns()
+        start, began = time.thread_time_ns(), time.perf_counter_ns()
         broker._read(sock, handler, time.monotonic())
         broker._flush(time.monotonic())
+        wall += time.perf_counter_ns() - began
         return time.thread_time_ns() - start
 
     to_worker, to_client = codec.Decoder(codec.TO_WORKER), codec.Decoder(codec.TO_CLIENT)
-    worker.send_multipart(codec.encode(p.READY, p.WorkerInfo("w", "m", 64), packed=packed))
-    serve(broker.backend, broker._on_worker)
+    info = p.WorkerInfo("w", "m", 64, 0, [p.TOKEN_BINS, p.SEALED_JOBS])  # as a current worker announces
+    worker.send_multipart(codec.encode(p.READY, info, packed=packed))
     sampling, sample = p.SamplingParams(max_tokens=16), p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
     warmup, spent = round_trips // 10, 0
-    for i in range(warmup + round_trips):
-        job = p.JobSpec(f"j{i}", sampling, "x" * 100, ack=False)
-        client.send_multipart(codec.encode(p.SUBMIT, [job], packed=packed))
-        ns = serve(broker.frontend, broker._on_client)
-        while (msg := to_worker.decode(worker.recv_multipart())).command != p.JOBS:
-            pass
-        result = p.Result(msg.body[0].ticket, [1, 2, 3, 4], [sample], 0, "w")
-        worker.send_multipart(codec.encode(p.FINAL, [result], packed=packed))
-        ns += serve(broker.backend, broker._on_worker)
-        while to_client.decode(client.recv_multipart()).command != p.FINAL:
-            pass
-        if i >= warmup:
-            spent += ns
+    try:
+        serve(broker.backend, on_worker)
+        for i in range(warmup + round_trips):
+            if i == warmup:
+                wall = 0
+                if parts is not None:
+                    parts.on = True
+            job = p.JobSpec(f"j{i}", sampling, "x" * 100, ack=False)
+            client.send_multipart(codec.encode(p.SUBMIT, [job], packed=packed))
+            ns = serve(broker.frontend, on_client)
+            while (msg := to_worker.decode(worker.recv_multipart())).command != p.JOBS:
+                pass
+            result = p.Result(msg.body[0].ticket, [1, 2, 3, 4], [sample], 0, "w")
+            worker.send_multipart(codec.encode(p.FINAL, [result], packed=packed))
+            ns += serve(broker.backend, on_worker)
+            while to_client.decode(client.recv_multipart()).command != p.FINAL:
+                pass
+            if i >= warmup:
+                spent += ns
+    finally:
+        if restore is not None:
+            restore()
+        for sock in (client, worker):
+            sock.close(linger=0)
+        broker._release()
     assert broker.scheduler.stats.completed == warmup + round_trips
     assert (broker.split_peers == frozenset()) is packed  # the broker answered in the peers' form
-    for sock in (client, worker):
-        sock.close(linger=0)
-    broker._release()
+    if parts is not None:
+        parts.on = False
+        parts.ns["other"] = wall - sum(parts.ns.values())
     return spent / round_trips / 1e3
 
 
@@ -99,12 +212,48 @@ def run(pin: bool, round_trips: int, packed: bool) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def median(xs: list[float]) -> float:
+    """The middle value (the upper one of an even count), as every figure here is reported."""
+    return sorted(xs)[len(xs) // 2]
+
+
+def report_parts(round_trips: int, repeats: int) -> dict[str, float]:
+    """``--parts``: ``repeats`` runs in this process; each part's median, in us per round trip."""
+    runs, cpu, timers = [], [], []
+    for _ in range(repeats):
+        clock = PartClock()
+        cpu.append(measure(round_trips, packed=True, parts=clock))
+        runs.append({part: ns / round_trips / 1e3 for part, ns in clock.ns.items()})
+        timers.append(clock.calls / round_trips * PartClock.timer_ns() / 1e3)
+    parts = {part: median([r[part] for r in runs]) for part in PARTS}
+    wall = sum(parts.values())
+    zmq_calls = parts["read a message"] + parts["read none (ends _read)"] + parts["send"]
+    print(f"where a one-job round trip's time goes in the broker's thread (packed, wall us, median of {repeats})")
+    for part, us in parts.items():
+        print(f"  {part:24} {us:7.1f} us  {us / wall:6.1%}   runs {', '.join(f'{r[part]:.1f}' for r in runs)}")
+    print(f"  {'total':24} {wall:7.1f} us; thread CPU {median(cpu):.1f} us (runs {', '.join(f'{c:.1f}' for c in cpu)})")
+    print(f"  of which the timers' own cost, in other: about {median(timers):.1f} us")
+    print(f"  libzmq calls (reads, sends): {zmq_calls / wall:.0%} of it; the rest is Python")
+    result = {
+        "parts_us": {k: round(v, 2) for k, v in parts.items()},
+        "wall_us": round(wall, 2),
+        "cpu_us": median(cpu),
+        "timers_us": round(median(timers), 2),
+    }
+    print("RESULT " + json.dumps(result))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--round-trips", type=int, default=3000)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each, interleaved (median)")
     ap.add_argument("--forms", default="split,packed", help="message forms to measure, comma-separated")
+    ap.add_argument("--parts", action="store_true", help="where a round trip's time goes in the broker (packed)")
     args = ap.parse_args()
+    if args.parts:
+        report_parts(args.round_trips, args.repeats)
+        return
     if not hasattr(os, "sched_setaffinity"):
         sys.exit("this benchmark pins a process to one CPU: Linux only")
     forms = args.forms.split(",")
@@ -116,7 +265,7 @@ def main() -> None:
         for form in forms:
             free[form].append(run(False, args.round_trips, form == "packed"))
             pinned[form].append(run(True, args.round_trips, form == "packed"))
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = median
     print(f"broker thread CPU per one-job round trip (SUBMIT in, JOBS out, FINAL in, FINAL out), {os.cpu_count()} CPUs")
     result: dict[str, float] = {}
     for form in forms:
