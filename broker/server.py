@@ -2,9 +2,9 @@
 
 Each pass reads every message already waiting on both sockets (up to a bound), feeds them to
 the scheduler, and sends what its outbox holds, one message per peer and command: once after
-the workers' messages, once after the clients'. Bad input is answered and counted here and
-never reaches the scheduler. Each peer is answered in the form (split or packed, ``codec``)
-of the last message it sent.
+the workers' messages, once after the clients'. What each message means to the scheduler, and
+the answer to bad input (which never reaches the scheduler), is ``inbound.py``'s. Each peer is
+answered in the form (split or packed, ``codec``) of the last message it sent.
 """
 
 from __future__ import annotations
@@ -21,17 +21,16 @@ import zmq
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 from zmq_rollout.config import BrokerConfig
-from zmq_rollout.errors import ProtocolError
 from zmq_rollout.gc_pauses import settle_heap
 
 from .busy_poll import BusyPoll, IdleCores, JobsPerMessage, busy_poll_s
 from .curve_ports import CurvePorts
 from .heap_keep import heap_keep_mib, keep_freed_memory
+from .inbound import Inbound
 from .older_workers import fit_jobs, needs_fitting
 from .outbox import CLIENT, WORKER
 from .own_process import owns_process
 from .packing import Packing, pack_step
-from .salvage import SUBMITS, split_submit, submit_ids, submitted
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -50,8 +49,6 @@ collector was a tenth of the broker's CPU unbatched (8c x 8w); 20,000: 4-9% more
 # an option lookup and checks per frame (half the broker's time per message, unbatched).
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
-_RESULTS = (p.FINAL, p.SEALED_FINAL)
-"""The commands that end tickets with a result (``Scheduler.worker_final``)."""
 _COPY_BELOW = 1 << 16
 """Frames shorter than this are sent copied: a zero-copy send of a small frame costs more (pyzmq
 builds a ``Frame`` and copies it anyway below its own ``COPY_THRESHOLD``)."""
@@ -84,8 +81,9 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
         _send(sock, frame, _MORE if i < last else _NOBLOCK, len(frame) < _COPY_BELOW)
 
 
-class Broker:
-    """Binds the frontend (clients) and backend (workers) and runs the loop."""
+class Broker(Inbound):
+    """Binds the frontend (clients) and backend (workers) and runs the loop; what each message
+    means to the scheduler is ``Inbound``'s (``inbound.py``)."""
 
     def __init__(self, config: BrokerConfig | None = None, context: zmq.Context[Any] | None = None) -> None:
         self.config = config or BrokerConfig()
@@ -345,113 +343,6 @@ class Broker:
                     self.scheduler.client_gone(identity, f"unroutable: {exc.strerror}", now)
         if len(self.scheduler.outbox) or self.scheduler.dispatch_pending:  # a purge above requeued jobs
             self._flush(now)
-
-    # -- clients ---------------------------------------------------------------------------
-    def _reject(self, identity: bytes, reason: str, error: str, key: str | None = None, code: str = "protocol") -> None:
-        self.scheduler.stats.count_malformed(reason)
-        log.warning("bad message from client %r: %s", identity, error)
-        self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(key, code, error))
-
-    def _reject_submit(self, identity: bytes, found: tuple[bytes, Any] | None, reason: str, error: str) -> None:
-        """Refuse a whole message; a SUBMIT's refusal (``found``: its command and header,
-        ``salvage.submitted``; else None) names each job whose id can be read (a client that
-        asked for no ACCEPTED cannot tell which of its messages an error without a key is about)."""
-        if found is not None:
-            ids = submit_ids(found[1])
-            if ids:
-                self.scheduler.stats.count_malformed(reason)
-                log.warning("bad message from client %r: %s", identity, error)
-                for jid in ids:
-                    self.scheduler.outbox.to_client(identity, p.ERROR, p.ErrorItem(jid, "protocol", error))
-                return
-        self._reject(identity, reason, error)
-
-    def _on_client(self, identity: bytes, frames: list[Any], now: float) -> None:
-        sched = self.scheduler
-        size = sum(map(len, frames))
-        if size > self.config.max_message_bytes:
-            error = f"message of {size} bytes exceeds max_message_bytes={self.config.max_message_bytes}"
-            self._reject_submit(identity, submitted(frames), "oversize", error)
-            return
-        try:
-            msg = self._from_client.decode(frames)
-        except ProtocolError as exc:
-            found = submitted(frames)
-            if found is not None:
-                self._salvage_submit(identity, *found, now)
-            else:
-                self._reject(identity, "invalid", str(exc))
-            return
-        command = msg.command
-        if command in SUBMITS:
-            if len(msg.body) > p.MAX_JOBS_PER_MESSAGE:
-                error = f"{len(msg.body)} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
-                self._reject_submit(identity, submitted(frames), "oversize", error)
-                return
-            sched.submit(identity, msg.body, now)
-        elif command == p.HEARTBEAT:
-            known = identity in sched.clients
-            sched.client_seen(identity, now)
-            answer = p.Liveness(self.epoch, new_session=not known, packed=True, token_bins=True, sealed_jobs=True)
-            sched.outbox.to_client(identity, p.HEARTBEAT, answer)
-        elif command == p.CANCEL:
-            sched.cancel(identity, msg.body, now)
-        elif command == p.STATUS:
-            sched.client_seen(identity, now)
-            sched.outbox.to_client(identity, p.STATUS_REPLY, sched.status(now))
-        elif command == p.DISCONNECT:
-            sched.client_gone(identity, "client disconnected", now)
-        elif command == p.SYNC:
-            sched.client_seen(identity, now)
-            sched.sync.step(identity, msg.body, now)
-
-    def _salvage_submit(self, identity: bytes, command: bytes, header: Any, now: float) -> None:
-        try:
-            jobs, errors = split_submit(header, command)
-        except ProtocolError as exc:
-            self._reject(identity, "invalid", str(exc))
-            return
-        if len(jobs) + len(errors) > p.MAX_JOBS_PER_MESSAGE:
-            n = len(jobs) + len(errors)
-            error = f"{n} jobs in one message; the limit is {p.MAX_JOBS_PER_MESSAGE}"
-            self._reject_submit(identity, (command, header), "oversize", error)
-            return
-        self.scheduler.stats.rejected_invalid += len(errors)
-        for err in errors:
-            self._reject(identity, "invalid_job", err.message, err.key, "invalid_request")  # type: ignore[arg-type]
-        if jobs:
-            self.scheduler.submit(identity, jobs, now)
-
-    # -- workers ---------------------------------------------------------------------------
-    def _on_worker(self, identity: bytes, frames: list[Any], now: float) -> None:
-        sched = self.scheduler
-        try:
-            msg = self._from_worker.decode(frames)
-        except ProtocolError as exc:
-            sched.stats.count_malformed("worker")
-            log.warning("bad message from worker %r: %s", identity, exc)
-            sched.worker_seen(identity, now)
-            return
-        command, body = msg.command, msg.body
-        if command in _RESULTS:
-            sched.worker_final(identity, body, now)
-        elif command == p.PARTIAL:
-            sched.worker_partial(identity, body, now)
-        elif command == p.HEARTBEAT:
-            sched.worker_seen(identity, now)
-        elif command == p.READY:
-            sched.worker_ready(identity, body, now)
-            # Tells the worker this broker reads the packed form and SEALED_FINAL (an older worker
-            # ignores the body).
-            sched.outbox.to_worker(identity, p.HEARTBEAT, p.Liveness(self.epoch, packed=True, sealed=True))
-        elif command == p.ERROR:
-            sched.worker_error(identity, body, now)
-        elif command == p.CREDIT:
-            sched.worker_credit(identity, body, now)
-        elif command == p.DISCONNECT:
-            sched.worker_gone(identity, "worker left", now)
-        elif command == p.CONTROL_ACK and sched.worker_seen(identity, now) is not None:
-            sched.sync.ack(identity, body, now)
 
 
 class BrokerThread:
