@@ -48,6 +48,7 @@ collector was a tenth of the broker's CPU unbatched (8c x 8w); 20,000: 4-9% more
 # Plain ints: pyzmq's flag enums cost a conversion per call, and recv_multipart/send_multipart
 # an option lookup and checks per frame (half the broker's time per message, unbatched).
 _NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_BELOW = 1 << 16
 """Frames shorter than this are sent copied: a zero-copy send of a small frame costs more (pyzmq
@@ -66,6 +67,15 @@ def recv_frames(sock: zmq.Socket[Any]) -> tuple[bytes, list[zmq.Frame]]:
         frame = sock.recv(_NOBLOCK, copy=False)
         frames.append(frame)
     return identity, frames
+
+
+_get = zmq.backend.Socket.get
+
+
+def more_waiting(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``sock`` (its ``zmq.EVENTS``: libzmq's ``getsockopt``, without
+    pyzmq's Python wrapper); no read is tried."""
+    return bool(int(_get(sock, _EVENTS)) & _POLLIN)
 
 
 _send = zmq.backend.Socket.send
@@ -300,20 +310,26 @@ class Broker(Inbound):
 
     def _read(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
         """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``, noting
-        which peers sent the split form."""
-        split = self._split
-        for read in range(_READ_BATCH):  # noqa: B007 (``read``: the messages read, counted below)
+        which peers sent the split form. After the first message, ``sock``'s events say whether
+        another waits: if none does, the pass reads no more. A read that finds none costs more
+        than reading a message (libzmq handles its pending commands, and pyzmq raises
+        ``zmq.Again``), and a pass that reads one message is the usual one while jobs come one at
+        a time (``benchmarks/README.md``, twenty-fifth session). Several waiting: read on until
+        none is left, so that a busy pass asks only once."""
+        split, read = self._split, 0
+        while read < _READ_BATCH:
             try:
                 identity, frames = recv_frames(sock)
             except zmq.Again:
                 break
+            read += 1
             if len(frames[0]) <= codec.SPLIT_PREFIX:
                 split[identity] = now
             elif split and identity in split:
                 del split[identity]
             handler(identity, frames, now)  # Frames: buffers msgspec decodes in place
-        else:
-            read = _READ_BATCH
+            if read == 1 and not more_waiting(sock):
+                break
         self.scheduler.stats.messages_received += read
 
     def _flush(self, now: float) -> None:

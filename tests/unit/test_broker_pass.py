@@ -13,6 +13,7 @@ import zmq
 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
+from zmq_rollout.broker import server
 from zmq_rollout.broker.server import Broker
 from zmq_rollout.config import BrokerConfig
 from zmq_rollout.testing import echo_result
@@ -119,3 +120,46 @@ def test_a_message_is_read_as_its_senders_identity_and_the_frames_it_sent() -> N
         router.close(linger=0)
         dealer.close(linger=0)
         ctx.term()
+
+
+def counted_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each read the loop tries from now on: ``message``, or ``none`` (it raised ``zmq.Again``)."""
+    reads: list[str] = []
+    read = server.recv_frames
+
+    def recv_frames(sock: zmq.Socket[Any]) -> Any:
+        try:
+            got = read(sock)
+        except zmq.Again:
+            reads.append("none")
+            raise
+        reads.append("message")
+        return got
+
+    monkeypatch.setattr(server, "recv_frames", recv_frames)
+    return reads
+
+
+def test_a_pass_with_one_message_waiting_reads_it_and_tries_no_read_that_finds_none(
+    one_pass: Pass, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drive = one_pass
+    reads = counted_reads(monkeypatch)
+    drive.client.send_multipart(codec.encode(p.HEARTBEAT))
+    drive.run()
+    assert reads == ["message"]
+    assert next_body(drive.client, TO_CLIENT, p.HEARTBEAT).epoch == drive.broker.epoch
+    assert drive.broker.scheduler.stats.messages_received == 1
+
+
+def test_messages_waiting_together_are_all_read_in_one_pass(one_pass: Pass, monkeypatch: pytest.MonkeyPatch) -> None:
+    drive = one_pass
+    reads = counted_reads(monkeypatch)
+    drive.worker.send_multipart(codec.encode(p.READY, p.WorkerInfo("worker", "m", 8)))
+    for i in range(3):
+        drive.client.send_multipart(codec.encode(p.SUBMIT, [p.JobSpec(f"j{i}", SAMPLING, "x", ack=False)]))
+    drive.run()
+    assert reads == ["message", "message", "message", "message", "none"]  # READY alone; the SUBMITs until empty
+    assert drive.broker.scheduler.stats.messages_received == 4
+    jobs = next_body(drive.worker, TO_WORKER, p.JOBS)
+    assert [a.job.job_id for a in jobs] == ["j0", "j1", "j2"]
