@@ -121,6 +121,8 @@ class Broker(Inbound):
         self._split: dict[bytes, float] = {}
         """Peers whose last message was in the split form (older ones), and when: they are
         answered split; every other peer packed. Forgotten with the peer (``tick``)."""
+        self._read_one: dict[zmq.Socket[Any], bool] = {}
+        """Per socket, whether its last read found one message (``_read``)."""
         self._from_client = codec.Decoder(codec.BROKER_FROM_CLIENT)
         self._from_worker = codec.Decoder(codec.FROM_WORKER)
         self._stop = threading.Event()
@@ -310,13 +312,13 @@ class Broker(Inbound):
 
     def _read(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
         """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``, noting
-        which peers sent the split form. After the first message, ``sock``'s events say whether
-        another waits: if none does, the pass reads no more. A read that finds none costs more
-        than reading a message (libzmq handles its pending commands, and pyzmq raises
-        ``zmq.Again``), and a pass that reads one message is the usual one while jobs come one at
-        a time (``benchmarks/README.md``, twenty-fifth session). Several waiting: read on until
-        none is left, so that a busy pass asks only once."""
-        split, read = self._split, 0
+        which peers sent the split form. Reads until none is left, but where the last read of
+        ``sock`` found one message, as while jobs come one at a time: then, after the first
+        message, its events say whether another waits, and if none does it reads no more. A read
+        that finds none costs more than reading a message (libzmq handles its pending commands,
+        and pyzmq raises ``zmq.Again``); asking costs about half of that, a loss where several
+        messages wait (``benchmarks/README.md``, twenty-fifth session)."""
+        split, read, ask = self._split, 0, self._read_one.get(sock, False)
         while read < _READ_BATCH:
             try:
                 identity, frames = recv_frames(sock)
@@ -328,8 +330,9 @@ class Broker(Inbound):
             elif split and identity in split:
                 del split[identity]
             handler(identity, frames, now)  # Frames: buffers msgspec decodes in place
-            if read == 1 and not more_waiting(sock):
+            if read == 1 and ask and not more_waiting(sock):
                 break
+        self._read_one[sock] = read == 1
         self.scheduler.stats.messages_received += read
 
     def _flush(self, now: float) -> None:

@@ -19,8 +19,8 @@ message_cost = importlib.import_module("message_cost")
 
 TIMED_PER_ROUND_TRIP = 10
 """Per message the broker reads (SUBMIT, FINAL): a read, the handler, the dispatch pass, one
-encoding and one send. No read that finds none: a pass that reads one message asks the socket's
-events instead (``Broker._read``)."""
+encoding and one send. No read that finds none: where a socket's last read found one message,
+the broker asks its events instead (``Broker._read``)."""
 
 
 def test_a_part_is_timed_only_while_the_clock_is_on_and_an_error_still_counts() -> None:

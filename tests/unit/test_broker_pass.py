@@ -140,16 +140,28 @@ def counted_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return reads
 
 
-def test_a_pass_with_one_message_waiting_reads_it_and_tries_no_read_that_finds_none(
+def test_while_messages_come_one_a_pass_no_read_that_finds_none_is_tried(
     one_pass: Pass, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     drive = one_pass
     reads = counted_reads(monkeypatch)
-    drive.client.send_multipart(codec.encode(p.HEARTBEAT))
-    drive.run()
-    assert reads == ["message"]
-    assert next_body(drive.client, TO_CLIENT, p.HEARTBEAT).epoch == drive.broker.epoch
-    assert drive.broker.scheduler.stats.messages_received == 1
+
+    def beats(n: int) -> list[str]:
+        """The reads of one pass that finds ``n`` heartbeats waiting (answered by one: a second
+        heartbeat in a row says nothing new, ``batching.append``)."""
+        reads.clear()
+        for _ in range(n):
+            drive.client.send_multipart(codec.encode(p.HEARTBEAT))
+        drive.run()
+        assert next_body(drive.client, TO_CLIENT, p.HEARTBEAT).epoch == drive.broker.epoch
+        assert not drive.client.poll(0)
+        return list(reads)
+
+    assert beats(1) == ["message", "none"]  # a socket's first read: until none is left
+    assert beats(1) == ["message"]  # its last read found one: it asks instead, and none waits
+    assert beats(3) == ["message", "message", "message", "none"]  # it asks, more wait: read on
+    assert beats(1) == ["message", "none"]  # its last read found three: until none is left
+    assert drive.broker.scheduler.stats.messages_received == 6
 
 
 def test_messages_waiting_together_are_all_read_in_one_pass(one_pass: Pass, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,7 +171,7 @@ def test_messages_waiting_together_are_all_read_in_one_pass(one_pass: Pass, monk
     for i in range(3):
         drive.client.send_multipart(codec.encode(p.SUBMIT, [p.JobSpec(f"j{i}", SAMPLING, "x", ack=False)]))
     drive.run()
-    assert reads == ["message", "message", "message", "message", "none"]  # READY alone; the SUBMITs until empty
+    assert reads == ["message", "none", "message", "message", "message", "none"]  # the READY; the SUBMITs
     assert drive.broker.scheduler.stats.messages_received == 4
     jobs = next_body(drive.worker, TO_WORKER, p.JOBS)
     assert [a.job.job_id for a in jobs] == ["j0", "j1", "j2"]
