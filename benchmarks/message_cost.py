@@ -56,18 +56,21 @@ class PartClock:
         """Timed calls: each adds the timer's own cost (``timer_ns``) to ``other``."""
         self.on = False
 
-    def wrap(self, part: str, fn: Any) -> Any:
+    def wrap(self, part: str, fn: Any, raised: str | None = None) -> Any:
+        """``fn`` timed into ``part``; a call that raises, into ``raised`` if given (else ``part``)."""
         clock, ns = time.perf_counter_ns, self.ns
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
                 return fn(*args, **kwargs)
             self.calls += 1
-            start = clock()
+            start, into = clock(), raised or part
             try:
-                return fn(*args, **kwargs)
+                got = fn(*args, **kwargs)
+                into = part
+                return got
             finally:
-                ns[part] += clock() - start
+                ns[into] += clock() - start
 
         return timed
 
@@ -92,27 +95,10 @@ class PartClock:
         Returns what puts the module's functions back."""
         import types
 
-        import zmq
-
         from zmq_rollout import codec
         from zmq_rollout.broker import server
 
-        read = server.recv_frames
-        clock, ns = time.perf_counter_ns, self.ns
-
-        def recv_frames(sock: Any) -> Any:
-            if not self.on:
-                return read(sock)
-            self.calls += 1
-            start = clock()
-            try:
-                got = read(sock)
-            except zmq.Again:
-                ns["read none (ends _read)"] += clock() - start
-                raise
-            ns["read a message"] += clock() - start
-            return got
-
+        recv_frames = self.wrap("read a message", server.recv_frames, raised="read none (ends _read)")  # zmq.Again
         wrapped = types.SimpleNamespace(**{k: getattr(codec, k) for k in dir(codec) if not k.startswith("__")})
         wrapped.encode = self.wrap("encode", codec.encode)
         timed = {"recv_frames": recv_frames, "send_frames": self.wrap("send", server.send_frames), "codec": wrapped}
@@ -265,18 +251,17 @@ def main() -> None:
         for form in forms:
             free[form].append(run(False, args.round_trips, form == "packed"))
             pinned[form].append(run(True, args.round_trips, form == "packed"))
-    med = median
     print(f"broker thread CPU per one-job round trip (SUBMIT in, JOBS out, FINAL in, FINAL out), {os.cpu_count()} CPUs")
     result: dict[str, float] = {}
     for form in forms:
-        a, b = med(free[form]), med(pinned[form])
+        a, b = median(free[form]), median(pinned[form])
         print(f"  {form:6}  every CPU {a:7.1f} us   runs {', '.join(f'{x:.1f}' for x in free[form])}")
         print(f"  {form:6}  one CPU   {b:7.1f} us   runs {', '.join(f'{x:.1f}' for x in pinned[form])}")
         print(f"  {form:6}  one CPU / every CPU: {b / a:.2f} (the rest is cross-CPU wake-ups)")
         result |= {f"{form}_every_cpu_us": a, f"{form}_one_cpu_us": b, f"{form}_ratio": round(b / a, 3)}
     if len(forms) == 2:
         for where, runs in (("every CPU", free), ("one CPU", pinned)):
-            ratio = med(runs["packed"]) / med(runs["split"])
+            ratio = median(runs["packed"]) / median(runs["split"])
             print(f"  packed / split, {where}: {ratio:.2f}")
             result[f"packed_over_split_{where.split()[0]}_cpu"] = round(ratio, 3)
     print("RESULT " + json.dumps(result))
