@@ -1,0 +1,346 @@
+"""What a one-job round trip costs a server's loop thread: the broker's, a bare Python
+forwarder's and ``zmq.proxy``'s (issue 12, goal 3).
+
+    python benchmarks/loop_cost.py [--round-trips 5000] [--rounds 3] [--servers broker,forwarder,proxy]
+
+Each server runs in a process of its own, with one client and one worker, both threads of this
+process. One message is in flight at a time, so the two never run at once. The servers:
+- ``broker``: ``Broker.run``, the real loop: a one-job SUBMIT in, JOBS out, FINAL in, FINAL out.
+  Busy polling is off, or its polling would count as CPU per round trip.
+- ``forwarder``: the least a Python loop on pyzmq does for the same four messages. Two ROUTERs
+  and a poll; each message is read (identity, frames) and sent on, nothing decoded. The client's
+  identity travels as a frame to the worker and back, as ``zmq.proxy`` carries it. Each socket
+  is read until ``zmq.Again``. 100-byte messages.
+- ``proxy``: ``zmq.proxy`` from a ROUTER to a DEALER, libzmq's own loop in C. 100-byte messages.
+
+Per server, this prints:
+- the CPU its loop thread spends per round trip: its clock at the start and end of the measured
+  round trips, with the user and system split from ``/proc``;
+- the client's round trip p50.
+
+The servers take turns within each round, in a rotated order; each figure is the median over
+the rounds. The ratios to ``zmq.proxy`` come from the same run.
+
+Why it matters: goal 3 wants the broker to add at most 1.5x the latency ``zmq.proxy`` adds. A
+server's CPU per round trip is most of what it adds, past the hops that every process in the
+path pays. The forwarder is the floor for any broker written as a Python loop on pyzmq. The
+broker's figure less the forwarder's is what its own work costs: decoding, the scheduler,
+encoding. Prints a RESULT line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+SERVERS = ("broker", "forwarder", "proxy")
+RAW = b"x" * 100
+"""What the forwarder's and the proxy's client sends, and the echo returns."""
+
+
+# -- the server side (a process of its own: ``--serve NAME``) -------------------------------
+def _marks(report_cpu: Any, stop: Any) -> None:
+    """Answer each line on stdin: ``mark``, the main thread's CPU clock (ns) and its user and
+    system ticks; ``stop``, stop the server."""
+    main = threading.main_thread()
+    assert main.ident is not None  # started: this runs in its thread
+    clock = time.pthread_getcpuclockid(main.ident)
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            stop()
+            return
+        with open(f"/proc/self/task/{main.native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        report_cpu(time.clock_gettime_ns(clock), int(fields[11]), int(fields[12]))
+
+
+def _say(*values: Any) -> None:
+    print(json.dumps(values), flush=True)
+
+
+def serve_broker() -> None:
+    from zmq_rollout.broker.server import Broker
+    from zmq_rollout.config import BrokerConfig
+
+    logging.disable(logging.WARNING)  # the open ports' warning; a failure still shows its traceback
+    tcp = "tcp://127.0.0.1:*"
+    broker = Broker(BrokerConfig(frontend=tcp, backend=tcp, busy_poll_us=0, metrics_port=None))
+    _say(broker.frontend_address, broker.backend_address)
+    threading.Thread(target=_marks, args=(_say, broker.stop), daemon=True).start()
+    broker.run()
+    _say(broker.scheduler.stats.completed)
+
+
+def serve_forwarder() -> None:
+    import zmq
+
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    for sock in (front, back):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:*")
+    _say(front.getsockopt_string(zmq.LAST_ENDPOINT), back.getsockopt_string(zmq.LAST_ENDPOINT))
+    stopped = threading.Event()
+    threading.Thread(target=_marks, args=(_say, stopped.set), daemon=True).start()
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    nb, more = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+    worker: bytes | None = None
+    forwarded = 0
+    while not stopped.is_set():
+        ready = dict(poller.poll(100))
+        if back in ready:
+            while True:
+                try:
+                    identity = back.recv(nb)
+                except zmq.Again:
+                    break
+                frames = [back.recv(nb, copy=False)]
+                while frames[-1].more:
+                    frames.append(back.recv(nb, copy=False))
+                if worker is None:  # its hello, answered: then its client may send
+                    worker = identity
+                    back.send(identity, more)
+                    back.send(b"welcome", nb)
+                    continue
+                for frame in frames[:-1]:  # the client's identity, then the body
+                    front.send(frame, more)
+                front.send(frames[-1], nb)
+                forwarded += 1
+        if front in ready:
+            while True:
+                try:
+                    identity = front.recv(nb)
+                except zmq.Again:
+                    break
+                frames = [front.recv(nb, copy=False)]
+                while frames[-1].more:
+                    frames.append(front.recv(nb, copy=False))
+                back.send(worker, more)
+                back.send(identity, more)
+                for frame in frames[:-1]:
+                    back.send(frame, more)
+                back.send(frames[-1], nb)
+    _say(forwarded)
+    os._exit(0)  # the context's sockets go with the process
+
+
+def serve_proxy() -> None:
+    import zmq
+
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for sock in (front, back):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:*")
+    _say(front.getsockopt_string(zmq.LAST_ENDPOINT), back.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def stop() -> None:
+        _say(None)  # zmq.proxy counts nothing
+        os._exit(0)
+
+    threading.Thread(target=_marks, args=(_say, stop), daemon=True).start()
+    zmq.proxy(front, back)
+
+
+# -- the client and worker side (this process) ----------------------------------------------
+class Peers:
+    """A server's client and worker: ``round_trip()`` sends one message and waits for its answer."""
+
+    def __init__(self, server: str, front: str, back: str) -> None:
+        import zmq
+
+        from zmq_rollout import codec
+        from zmq_rollout import protocol as p
+
+        self.zmq, self.codec, self.p = zmq, codec, p
+        self.ctx = zmq.Context()
+        self.client, self.worker = self.ctx.socket(zmq.DEALER), self.ctx.socket(zmq.DEALER)
+        self.client.setsockopt(zmq.RCVTIMEO, 10_000)  # a server that died: an error, not a hang
+        self.client.connect(front)
+        self.worker.connect(back)
+        self.protocol = server == "broker"
+        self.sent = 0
+        if self.protocol:
+            self.to_client, to_worker = codec.Decoder(codec.TO_CLIENT), codec.Decoder(codec.TO_WORKER)
+            info = p.WorkerInfo("w", "m", 64, 0, [p.TOKEN_BINS, p.SEALED_JOBS])  # as a current worker announces
+            self.worker.send_multipart(codec.encode(p.READY, info, packed=True))
+            while to_worker.decode(self.worker.recv_multipart()).command != p.HEARTBEAT:
+                pass  # registered
+            self.sampling = p.SamplingParams(max_tokens=16)
+            target: Any = self._answer_jobs
+            self.answer_args: tuple[Any, ...] = (to_worker,)
+        else:
+            if server == "forwarder":  # its worker is known once it said hello
+                self.worker.send(b"hello")
+                if self.worker.recv() != b"welcome":
+                    raise RuntimeError("the forwarder did not answer its worker's hello")
+            target, self.answer_args = self._echo, ()
+        self.thread = threading.Thread(target=target, args=self.answer_args, daemon=True)
+        self.thread.start()
+
+    def _answer_jobs(self, to_worker: Any) -> None:
+        """The worker: each JOBS answered with one FINAL of fake results, until ``close``."""
+        p, codec = self.p, self.codec
+        sample = p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
+        try:
+            while True:
+                msg = to_worker.decode(self.worker.recv_multipart())
+                if msg.command == p.JOBS:
+                    results = [p.Result(a.ticket, [1, 2, 3, 4], [sample], 0, "w") for a in msg.body]
+                    self.worker.send_multipart(codec.encode(p.FINAL, results, packed=True))
+        except self.zmq.ContextTerminated:
+            self.worker.close(linger=0)
+
+    def _echo(self) -> None:
+        """The worker: each message sent straight back, until ``close``."""
+        try:
+            while True:
+                self.worker.send_multipart(self.worker.recv_multipart(copy=False), copy=False)
+        except self.zmq.ContextTerminated:
+            self.worker.close(linger=0)
+
+    def round_trip(self) -> int:
+        """One round trip, in ns."""
+        self.sent += 1
+        if not self.protocol:
+            start = time.perf_counter_ns()
+            self.client.send(RAW)
+            if self.client.recv() != RAW:
+                raise RuntimeError("the echo came back changed")
+            return time.perf_counter_ns() - start
+        p, codec = self.p, self.codec
+        frames = codec.encode(p.SUBMIT, [p.JobSpec(f"j{self.sent}", self.sampling, "x" * 100, ack=False)], packed=True)
+        start = time.perf_counter_ns()
+        self.client.send_multipart(frames)
+        while self.to_client.decode(self.client.recv_multipart()).command != self.p.FINAL:
+            pass
+        return time.perf_counter_ns() - start
+
+    def close(self) -> None:
+        """End the worker's thread (its socket's context terminates under it) and the client."""
+        self.client.close(linger=0)
+        self.ctx.term()
+        self.thread.join(timeout=10)
+
+
+def measure(server: str, round_trips: int) -> dict[str, Any]:
+    """``round_trips`` one-job round trips through ``server`` (after a fifth as many to warm up),
+    in a fresh process: its loop thread's CPU per round trip (us; user and system from the
+    thread's ticks), the client's p50 (us), and what the server says it forwarded (round trips
+    for the broker and the forwarder, warm-up included; None for ``zmq.proxy``)."""
+    if server not in SERVERS:
+        raise ValueError(f"unknown server {server!r}: one of {', '.join(SERVERS)}")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", server],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def ask(line: str) -> Any:
+        stdin.write(line + "\n")
+        stdin.flush()
+        return json.loads(stdout.readline())
+
+    peers = None
+    try:
+        front, back = json.loads(stdout.readline())
+        peers = Peers(server, front, back)
+        for _ in range(max(1, round_trips // 5)):
+            peers.round_trip()
+        cpu0, user0, sys0 = ask("mark")
+        times = [peers.round_trip() for _ in range(round_trips)]
+        cpu1, user1, sys1 = ask("mark")
+        forwarded = ask("stop")[0]
+        proc.wait(timeout=30)
+    finally:
+        if peers is not None:
+            peers.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
+    return {
+        "cpu_us": (cpu1 - cpu0) / round_trips / 1e3,
+        "user_us": (user1 - user0) * tick_us / round_trips,
+        "sys_us": (sys1 - sys0) * tick_us / round_trips,
+        "p50_us": statistics.median(times) / 1e3,
+        "forwarded": forwarded,
+        "sent": peers.sent,
+    }
+
+
+def median(xs: list[float]) -> float:
+    """The middle value (the upper one of an even count), as the other benchmarks report."""
+    return sorted(xs)[len(xs) // 2]
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each server's medians over its runs, and the ratios of CPU per round trip: to
+    ``zmq.proxy``'s, and the broker's own work (its CPU less the forwarder's)."""
+    out: dict[str, Any] = {
+        server: {key: round(median([r[key] for r in rs]), 1) for key in ("cpu_us", "user_us", "sys_us", "p50_us")}
+        for server, rs in runs.items()
+    }
+    cpu = {server: out[server]["cpu_us"] for server in out}
+    if "proxy" in cpu:
+        out["cpu_over_proxy"] = {s: round(cpu[s] / cpu["proxy"], 2) for s in cpu if s != "proxy"}
+    if "broker" in cpu and "forwarder" in cpu:
+        out["broker_own_work_us"] = round(cpu["broker"] - cpu["forwarder"], 1)
+    return out
+
+
+def report(runs: dict[str, list[dict[str, Any]]], round_trips: int) -> dict[str, Any]:
+    result = summarize(runs)
+    rounds = len(next(iter(runs.values())))
+    print(f"a one-job round trip, {round_trips} of them per run, median of {rounds} rounds, {os.cpu_count()} CPUs")
+    print("  server      loop thread CPU (user, system)      client p50   runs (CPU us)")
+    for server, rs in runs.items():
+        r = result[server]
+        each = ", ".join(f"{x['cpu_us']:.1f}" for x in rs)
+        print(
+            f"  {server:10} {r['cpu_us']:7.1f} us ({r['user_us']:6.1f}, {r['sys_us']:5.1f})"
+            f"   {r['p50_us']:8.1f} us   {each}"
+        )
+    for server, ratio in result.get("cpu_over_proxy", {}).items():
+        print(f"  {server} / zmq.proxy, CPU per round trip: {ratio:.2f}x")
+    if "broker_own_work_us" in result:
+        print(f"  the broker's own work (its CPU less the bare forwarder's): {result['broker_own_work_us']:.1f} us")
+    print("RESULT " + json.dumps(result))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--round-trips", type=int, default=5000, help="measured round trips per run")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each server, their order rotated (median)")
+    ap.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of " + ", ".join(SERVERS))
+    ap.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)  # a server's own process
+    args = ap.parse_args()
+    if args.serve:
+        {"broker": serve_broker, "forwarder": serve_forwarder, "proxy": serve_proxy}[args.serve]()
+        return
+    servers = args.servers.split(",")
+    if not servers or set(servers) - set(SERVERS):
+        ap.error(f"--servers takes {', '.join(SERVERS)}, got {args.servers!r}")
+    if args.round_trips < 1 or args.rounds < 1:
+        ap.error("--round-trips and --rounds must be at least 1")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in servers}
+    for r in range(args.rounds):
+        for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
+            runs[server].append(measure(server, args.round_trips))
+    report(runs, args.round_trips)
+
+
+if __name__ == "__main__":
+    main()
