@@ -6,6 +6,7 @@
     python benchmarks/broker_throughput.py --baseline-ref 39adf1e  # broker cases, that commit's broker vs. this one
     python benchmarks/broker_throughput.py --scale    # 1 to 1,024 workers, 1 to 64 clients (broker_scale.py), ~3 min
     python benchmarks/broker_throughput.py --goal-pairs 5  # full run, then the 3x-HTTP goal's two cases as 5 pairs
+    python benchmarks/broker_throughput.py --only latency --latency-rounds 5  # the latency goal over 5 rounds
 
 Every party runs in spawned processes of its own: the broker; the workers (*test doubles* that
 answer each job at once, spread over ``--worker-procs`` processes); the clients, a process each,
@@ -786,6 +787,14 @@ def main() -> None:
         help="after the cases: the 3x-HTTP goal's two cases (the best broker batched one, HTTP batched) N more "
         "times as back-to-back pairs, each pair's ratio and their median printed (default 0: none)",
     )
+    ap.add_argument(
+        "--latency-rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the four latency paths N times, in a rotated order each round: the latency goal's ratio per round "
+        "and its median printed (default 1: one round, as before)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="with --baseline-ref: before/after pairs per case (median)")
     ap.add_argument(
         "--ack", action="store_true", help="the clients' jobs ask for ACCEPTED (JobSpec.ack; off as in the client)"
@@ -843,6 +852,8 @@ def main() -> None:
         ap.error("--repeats must be at least 1")
     if args.goal_pairs < 0:
         ap.error("--goal-pairs must be 0 or more")
+    if args.latency_rounds < 1:
+        ap.error("--latency-rounds must be at least 1")
     if args.goal_pairs and (args.scale or args.baseline_ref or args.profile):
         ap.error("--goal-pairs pairs the full run's cases: not with --scale, --baseline-ref or --profile")
     args.keys_dir = tempfile.mkdtemp(prefix="zr-bench-keys-")
@@ -870,10 +881,8 @@ def main() -> None:
     started = time.monotonic()
     floor = [in_process_floor(args)]
     print(f"  the scheduler and codec alone, in one process: {floor[0]:.2f} us/job", flush=True)
-    latency: dict[str, list[int]] = {}
-    for path in LATENCY_PATHS if selected(args, "latency") else ():
-        latency[path] = run_latency(path, args)
-        print(f"  latency {path:<10} p50 {percentile_us(latency[path], 0.5):7.1f} us", flush=True)
+    rounds = latency_rounds(args) if selected(args, "latency") else []
+    latency = rounds[0] if rounds else {}
     rows, setups = [], {}
     for setup in matrix_setups(args.batch_window, args.http_window):
         if not selected(args, setup.name):
@@ -883,7 +892,23 @@ def main() -> None:
         print(f"  {rows[-1]['case']:<40} {rows[-1]['jobs_per_s']:>10,} jobs/s", flush=True)
     pairs = goal_pairs(rows, setups, args) if args.goal_pairs else []
     floor.append(in_process_floor(args))
-    report(rows, latency, args, time.monotonic() - started, pairs, floor)
+    report(rows, latency, args, time.monotonic() - started, pairs, floor, rounds)
+
+
+def latency_rounds(args: argparse.Namespace) -> list[dict[str, list[int]]]:
+    """The four latency paths, ``--latency-rounds`` times; each round in the order of the last
+    rotated by one, so that no path always runs first or after the same one. Round trips in ns,
+    per path, per round."""
+    rounds: list[dict[str, list[int]]] = []
+    paths = list(LATENCY_PATHS)
+    for r in range(args.latency_rounds):
+        samples: dict[str, list[int]] = {}
+        for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
+            samples[path] = run_latency(path, args)
+            of = f" (round {r + 1}/{args.latency_rounds})" if args.latency_rounds > 1 else ""
+            print(f"  latency {path:<10}{of} p50 {percentile_us(samples[path], 0.5):7.1f} us", flush=True)
+        rounds.append({path: samples[path] for path in paths})  # the table's order
+    return rounds
 
 
 def goal_pairs(rows: list[dict[str, Any]], setups: dict[str, Setup], args: argparse.Namespace) -> list[dict[str, Any]]:

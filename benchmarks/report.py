@@ -21,7 +21,7 @@ GOAL_ADDED_VS_PROXY = 1.5  # broker-added p50 over zmq.proxy-added p50
 
 LATENCY_METHOD = """\
 Broker-added latency, method: one client keeps ONE job in flight and times each round trip
-(send SUBMIT -> receive its FINAL; the broker's ACCEPTED arrives in between and is skipped).
+(send SUBMIT -> receive its FINAL; the job asks for no ACCEPTED unless --ack, then it is skipped).
   broker  path: client DEALER -> broker -> EchoWorkerDouble (1 worker, own process) -> back
   direct  path: client DEALER -> a ROUTER running the echo double's logic (decode SUBMIT,
                 build the fake result, encode FINAL) -> back; no broker, one hop fewer
@@ -127,9 +127,11 @@ def report(
     elapsed: float,
     pairs: list[dict[str, Any]] | None = None,
     floor: list[float] | None = None,
+    rounds: list[dict[str, list[int]]] | None = None,
 ) -> None:
     """The full run's tables, ratios and goal verdicts; ``pairs``: ``--goal-pairs``' runs;
-    ``floor``: the scheduler and codec alone, in us/job, at the run's start and end (``floor_line``)."""
+    ``floor``: the scheduler and codec alone, in us/job, at the run's start and end (``floor_line``);
+    ``rounds``: ``--latency-rounds``' rounds (the first is ``latency``), for ``latency_rounds_line``."""
     print()
     print(
         f"machine: {os.cpu_count()} cores ({_cpu_model()}), Python {platform.python_version()}; "
@@ -173,22 +175,13 @@ def report(
 
     lat: dict[str, dict[str, float]] = {}
     if latency:
-        print("\nround-trip latency, one job in flight (us)")
+        print(f"\nround-trip latency, one job in flight (us){', first round' if rounds and len(rounds) > 1 else ''}")
         print(f"{'path':<12} {'p50':>8} {'p99':>8} {'n':>7}")
+        lat = percentiles(latency)
         for path, samples in latency.items():
-            lat[path] = {"p50": percentile_us(samples, 0.5), "p99": percentile_us(samples, 0.99)}
             print(f"{path:<12} {lat[path]['p50']:>8.1f} {lat[path]['p99']:>8.1f} {len(samples):>7}")
         print(LATENCY_METHOD)
-    added = (
-        {q: round(lat["broker"][q] - lat["direct"][q], 1) for q in ("p50", "p99")}
-        if {"broker", "direct"} <= lat.keys()
-        else {}
-    )
-    proxy_added = (
-        {q: round(lat["proxy"][q] - lat["raw-direct"][q], 1) for q in ("p50", "p99")}
-        if {"proxy", "raw-direct"} <= lat.keys()
-        else {}
-    )
+    added, proxy_added = added_latency(lat)
     if added:
         print(f"broker-added latency: p50 {added['p50']} us, p99 {added['p99']} us")
     if proxy_added:
@@ -278,6 +271,7 @@ def report(
         f"  broker-added p50 <= {GOAL_ADDED_VS_PROXY}x zmq.proxy-added p50: {met} "
         f"({added.get('p50', 'n/a')} us vs {proxy_added.get('p50', 'n/a')} us: {ratio})"
     )
+    goals["added_p50_le_1_5x_proxy_rounds_median"] = latency_rounds_line(rounds or [])
     result = {
         "mode": "quick" if args.quick else "default",
         "duration_s": args.duration,
@@ -290,6 +284,7 @@ def report(
         "ratios": ratios,
         "goals": goals,
         "goal_pairs": pairs or [],
+        "latency_rounds": [_round_json(r) for r in rounds or []],
         "doubles_ceiling_jobs_per_s": None if ceiling is None else round(ceiling[1]),
         "in_process_us_per_job": [round(v, 3) for v in floor or []],
         "elapsed_s": round(elapsed, 1),
@@ -314,6 +309,49 @@ def floor_line(floor: list[float], through_sockets: float | None) -> str:
     if min(floor) > GOAL_BATCHED_US_PER_JOB:
         line += ": on this machine now, the budget is out of reach before any socket"
     return line + ")"
+
+
+def percentiles(latency: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    """Each latency path's p50 and p99, in us, from its round trips in ns."""
+    return {path: {"p50": percentile_us(s, 0.5), "p99": percentile_us(s, 0.99)} for path, s in latency.items()}
+
+
+def added_latency(lat: dict[str, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """What the broker adds (its path less the direct one) and what zmq.proxy adds (its path
+    less the raw direct one), p50 and p99 in us; each {} where a path is missing."""
+
+    def less(path: str, base: str) -> dict[str, float]:
+        if not {path, base} <= lat.keys():
+            return {}
+        return {q: round(lat[path][q] - lat[base][q], 1) for q in ("p50", "p99")}
+
+    return less("broker", "direct"), less("proxy", "raw-direct")
+
+
+def _round_json(latency: dict[str, list[int]]) -> dict[str, dict[str, float]]:
+    added, proxy_added = added_latency(percentiles(latency))
+    return {"broker_added": added, "proxy_added": proxy_added}
+
+
+def latency_rounds_line(rounds: list[dict[str, list[int]]]) -> bool | None:
+    """Print the latency goal's verdict over ``--latency-rounds``' rounds: each round's
+    broker-added p50 over its zmq.proxy-added p50, and their median; return it (None: fewer
+    than two rounds, or no round with both figures). One round decides nothing: the proxy-added
+    p50 of one run moved from 43 to 153 us between runs minutes apart (twenty-sixth session)."""
+    if len(rounds) < 2:
+        return None
+    ratios = []
+    for r in rounds:
+        added, proxy_added = added_latency(percentiles(r))
+        if added and proxy_added and proxy_added["p50"] > 0:
+            ratios.append(added["p50"] / proxy_added["p50"])
+    if not ratios:
+        return None
+    median = _median(ratios)
+    met = median <= GOAL_ADDED_VS_PROXY
+    each = ", ".join(f"{r:.2f}x" for r in ratios)
+    print(f"    over {len(ratios)} rounds: {'MET' if met else 'NOT MET'} (median {median:.2f}x; rounds {each})")
+    return met
 
 
 def goal_pairs_line(pairs: list[dict[str, Any]]) -> bool | None:
