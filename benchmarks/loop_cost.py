@@ -79,15 +79,39 @@ def serve_broker() -> None:
     _say(broker.scheduler.stats.completed)
 
 
-def serve_forwarder() -> None:
+def _bound_pair(back_type: int) -> tuple[Any, Any]:
+    """A ROUTER for the client and a socket of ``back_type`` for the worker, bound to free
+    ports, which the parent is told."""
     import zmq
 
     ctx: zmq.Context[Any] = zmq.Context.instance()
-    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(back_type)
     for sock in (front, back):
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind("tcp://127.0.0.1:*")
     _say(front.getsockopt_string(zmq.LAST_ENDPOINT), back.getsockopt_string(zmq.LAST_ENDPOINT))
+    return front, back
+
+
+def _waiting(sock: Any) -> tuple[bytes, list[Any]] | None:
+    """A ROUTER's next waiting message, its sender's identity and its frames uncopied; None if
+    none waits."""
+    import zmq
+
+    try:
+        identity = sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+    frames = [sock.recv(zmq.NOBLOCK, copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(zmq.NOBLOCK, copy=False))
+    return identity, frames
+
+
+def serve_forwarder() -> None:
+    import zmq
+
+    front, back = _bound_pair(zmq.ROUTER)
     stopped = threading.Event()
     threading.Thread(target=_marks, args=(_say, stopped.set), daemon=True).start()
     poller = zmq.Poller()
@@ -98,38 +122,24 @@ def serve_forwarder() -> None:
     forwarded = 0
     while not stopped.is_set():
         ready = dict(poller.poll(100))
-        if back in ready:
-            while True:
-                try:
-                    identity = back.recv(nb)
-                except zmq.Again:
-                    break
-                frames = [back.recv(nb, copy=False)]
-                while frames[-1].more:
-                    frames.append(back.recv(nb, copy=False))
-                if worker is None:  # its hello, answered: then its client may send
-                    worker = identity
-                    back.send(identity, more)
-                    back.send(b"welcome", nb)
-                    continue
-                for frame in frames[:-1]:  # the client's identity, then the body
-                    front.send(frame, more)
-                front.send(frames[-1], nb)
-                forwarded += 1
-        if front in ready:
-            while True:
-                try:
-                    identity = front.recv(nb)
-                except zmq.Again:
-                    break
-                frames = [front.recv(nb, copy=False)]
-                while frames[-1].more:
-                    frames.append(front.recv(nb, copy=False))
-                back.send(worker, more)
+        while back in ready and (got := _waiting(back)) is not None:
+            identity, frames = got
+            if worker is None:  # its hello, answered: then its client may send
+                worker = identity
                 back.send(identity, more)
-                for frame in frames[:-1]:
-                    back.send(frame, more)
-                back.send(frames[-1], nb)
+                back.send(b"welcome", nb)
+                continue
+            for frame in frames[:-1]:  # the client's identity, then the body
+                front.send(frame, more)
+            front.send(frames[-1], nb)
+            forwarded += 1
+        while front in ready and (got := _waiting(front)) is not None:
+            identity, frames = got
+            back.send(worker, more)
+            back.send(identity, more)
+            for frame in frames[:-1]:
+                back.send(frame, more)
+            back.send(frames[-1], nb)
     _say(forwarded)
     os._exit(0)  # the context's sockets go with the process
 
@@ -137,12 +147,7 @@ def serve_forwarder() -> None:
 def serve_proxy() -> None:
     import zmq
 
-    ctx: zmq.Context[Any] = zmq.Context.instance()
-    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    for sock in (front, back):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind("tcp://127.0.0.1:*")
-    _say(front.getsockopt_string(zmq.LAST_ENDPOINT), back.getsockopt_string(zmq.LAST_ENDPOINT))
+    front, back = _bound_pair(zmq.DEALER)
 
     def stop() -> None:
         _say(None)  # zmq.proxy counts nothing
