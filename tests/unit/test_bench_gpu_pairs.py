@@ -55,3 +55,18 @@ def test_every_option_reaches_a_phase_process_as_it_was_given() -> None:
     assert again.pin_swap is True and again.eager is False and again.shape == "7b"
     default = parser.parse_args([])
     assert vars(parser.parse_args(gpu_e2e.phase_argv(default))) == vars(default)
+
+
+def test_the_warm_up_batch_generates_as_many_tokens_as_the_timed_ones_unless_told() -> None:
+    import gpu_e2e
+
+    parser = gpu_e2e.parser()
+    args = parser.parse_args(["--max-tokens", "192", "--repeats", "2", "--num-prompts", "4"])
+    assert [(label, tokens) for label, _, _, tokens in gpu_e2e.batches(args)] == [
+        ("warmup", 192),
+        ("run1", 192),
+        ("run2", 192),
+    ]
+    args = parser.parse_args(["--max-tokens", "192", "--warmup-max-tokens", "64", "--repeats", "1"])
+    assert [tokens for *_, tokens in gpu_e2e.batches(args)] == [64, 192]
+    assert parser.parse_args(gpu_e2e.phase_argv(args)).warmup_max_tokens == 64  # a phase gets it back
