@@ -41,6 +41,12 @@ import threading
 import time
 from typing import Any
 
+import zmq
+from message_cost import median  # the benchmarks' one median (the upper one of an even count)
+
+from zmq_rollout import codec
+from zmq_rollout import protocol as p
+
 SERVERS = ("broker", "forwarder", "proxy")
 RAW = b"x" * 100
 """What the forwarder's and the proxy's client sends, and the echo returns."""
@@ -82,8 +88,6 @@ def serve_broker() -> None:
 def _bound_pair(back_type: int) -> tuple[Any, Any]:
     """A ROUTER for the client and a socket of ``back_type`` for the worker, bound to free
     ports, which the parent is told."""
-    import zmq
-
     ctx: zmq.Context[Any] = zmq.Context.instance()
     front, back = ctx.socket(zmq.ROUTER), ctx.socket(back_type)
     for sock in (front, back):
@@ -96,8 +100,6 @@ def _bound_pair(back_type: int) -> tuple[Any, Any]:
 def _waiting(sock: Any) -> tuple[bytes, list[Any]] | None:
     """A ROUTER's next waiting message, its sender's identity and its frames uncopied; None if
     none waits."""
-    import zmq
-
     try:
         identity = sock.recv(zmq.NOBLOCK)
     except zmq.Again:
@@ -109,8 +111,6 @@ def _waiting(sock: Any) -> tuple[bytes, list[Any]] | None:
 
 
 def serve_forwarder() -> None:
-    import zmq
-
     front, back = _bound_pair(zmq.ROUTER)
     stopped = threading.Event()
     threading.Thread(target=_marks, args=(_say, stopped.set), daemon=True).start()
@@ -145,8 +145,6 @@ def serve_forwarder() -> None:
 
 
 def serve_proxy() -> None:
-    import zmq
-
     front, back = _bound_pair(zmq.DEALER)
 
     def stop() -> None:
@@ -162,13 +160,7 @@ class Peers:
     """A server's client and worker: ``round_trip()`` sends one message and waits for its answer."""
 
     def __init__(self, server: str, front: str, back: str) -> None:
-        import zmq
-
-        from zmq_rollout import codec
-        from zmq_rollout import protocol as p
-
-        self.zmq, self.codec, self.p = zmq, codec, p
-        self.ctx = zmq.Context()
+        self.ctx: zmq.Context[Any] = zmq.Context()
         self.client, self.worker = self.ctx.socket(zmq.DEALER), self.ctx.socket(zmq.DEALER)
         self.client.setsockopt(zmq.RCVTIMEO, 10_000)  # a server that died: an error, not a hang
         self.client.connect(front)
@@ -183,19 +175,18 @@ class Peers:
                 pass  # registered
             self.sampling = p.SamplingParams(max_tokens=16)
             target: Any = self._answer_jobs
-            self.answer_args: tuple[Any, ...] = (to_worker,)
+            args: tuple[Any, ...] = (to_worker,)
         else:
             if server == "forwarder":  # its worker is known once it said hello
                 self.worker.send(b"hello")
                 if self.worker.recv() != b"welcome":
                     raise RuntimeError("the forwarder did not answer its worker's hello")
-            target, self.answer_args = self._echo, ()
-        self.thread = threading.Thread(target=target, args=self.answer_args, daemon=True)
+            target, args = self._echo, ()
+        self.thread = threading.Thread(target=target, args=args, daemon=True)
         self.thread.start()
 
     def _answer_jobs(self, to_worker: Any) -> None:
         """The worker: each JOBS answered with one FINAL of fake results, until ``close``."""
-        p, codec = self.p, self.codec
         sample = p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
         try:
             while True:
@@ -203,7 +194,7 @@ class Peers:
                 if msg.command == p.JOBS:
                     results = [p.Result(a.ticket, [1, 2, 3, 4], [sample], 0, "w") for a in msg.body]
                     self.worker.send_multipart(codec.encode(p.FINAL, results, packed=True))
-        except self.zmq.ContextTerminated:
+        except zmq.ContextTerminated:
             self.worker.close(linger=0)
 
     def _echo(self) -> None:
@@ -211,7 +202,7 @@ class Peers:
         try:
             while True:
                 self.worker.send_multipart(self.worker.recv_multipart(copy=False), copy=False)
-        except self.zmq.ContextTerminated:
+        except zmq.ContextTerminated:
             self.worker.close(linger=0)
 
     def round_trip(self) -> int:
@@ -223,11 +214,10 @@ class Peers:
             if self.client.recv() != RAW:
                 raise RuntimeError("the echo came back changed")
             return time.perf_counter_ns() - start
-        p, codec = self.p, self.codec
         frames = codec.encode(p.SUBMIT, [p.JobSpec(f"j{self.sent}", self.sampling, "x" * 100, ack=False)], packed=True)
         start = time.perf_counter_ns()
         self.client.send_multipart(frames)
-        while self.to_client.decode(self.client.recv_multipart()).command != self.p.FINAL:
+        while self.to_client.decode(self.client.recv_multipart()).command != p.FINAL:
             pass
         return time.perf_counter_ns() - start
 
@@ -283,11 +273,6 @@ def measure(server: str, round_trips: int) -> dict[str, Any]:
         "forwarded": forwarded,
         "sent": peers.sent,
     }
-
-
-def median(xs: list[float]) -> float:
-    """The middle value (the upper one of an even count), as the other benchmarks report."""
-    return sorted(xs)[len(xs) // 2]
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

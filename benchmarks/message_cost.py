@@ -106,7 +106,12 @@ class PartClock:
         for name, value in timed.items():  # ``codec``: the broker's encoding; its peers' here stays untimed
             setattr(server, name, value)
         broker.scheduler.flush_dispatch = self.wrap("dispatch pass", broker.scheduler.flush_dispatch)
-        return lambda: [setattr(server, name, value) for name, value in kept.items()]
+
+        def restore() -> None:
+            for name, value in kept.items():
+                setattr(server, name, value)
+
+        return restore
 
 
 def measure(round_trips: int, packed: bool = False, parts: PartClock | None = None) -> float:
@@ -203,7 +208,7 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def report_parts(round_trips: int, repeats: int) -> dict[str, float]:
+def report_parts(round_trips: int, repeats: int) -> dict[str, Any]:
     """``--parts``: ``repeats`` runs in this process; each part's median, in us per round trip."""
     runs, cpu, timers = [], [], []
     for _ in range(repeats):

@@ -271,7 +271,8 @@ def report(
         f"  broker-added p50 <= {GOAL_ADDED_VS_PROXY}x zmq.proxy-added p50: {met} "
         f"({added.get('p50', 'n/a')} us vs {proxy_added.get('p50', 'n/a')} us: {ratio})"
     )
-    goals["added_p50_le_1_5x_proxy_rounds_median"] = latency_rounds_line(rounds or [])
+    rounds_added = [added_latency(percentiles(r)) for r in rounds or []]
+    goals["added_p50_le_1_5x_proxy_rounds_median"] = latency_rounds_line(rounds_added)
     result = {
         "mode": "quick" if args.quick else "default",
         "duration_s": args.duration,
@@ -284,7 +285,7 @@ def report(
         "ratios": ratios,
         "goals": goals,
         "goal_pairs": pairs or [],
-        "latency_rounds": [_round_json(r) for r in rounds or []],
+        "latency_rounds": [{"broker_added": a, "proxy_added": p} for a, p in rounds_added],
         "doubles_ceiling_jobs_per_s": None if ceiling is None else round(ceiling[1]),
         "in_process_us_per_job": [round(v, 3) for v in floor or []],
         "elapsed_s": round(elapsed, 1),
@@ -328,23 +329,15 @@ def added_latency(lat: dict[str, dict[str, float]]) -> tuple[dict[str, float], d
     return less("broker", "direct"), less("proxy", "raw-direct")
 
 
-def _round_json(latency: dict[str, list[int]]) -> dict[str, dict[str, float]]:
-    added, proxy_added = added_latency(percentiles(latency))
-    return {"broker_added": added, "proxy_added": proxy_added}
-
-
-def latency_rounds_line(rounds: list[dict[str, list[int]]]) -> bool | None:
-    """Print the latency goal's verdict over ``--latency-rounds``' rounds: each round's
-    broker-added p50 over its zmq.proxy-added p50, and their median; return it (None: fewer
-    than two rounds, or no round with both figures). One round decides nothing: the proxy-added
-    p50 of one run moved from 43 to 153 us between runs minutes apart (twenty-sixth session)."""
+def latency_rounds_line(rounds: list[tuple[dict[str, float], dict[str, float]]]) -> bool | None:
+    """Print the latency goal's verdict over ``--latency-rounds``' rounds, each given as its
+    ``added_latency``: each round's broker-added p50 over its zmq.proxy-added p50, and their
+    median; return it (None: fewer than two rounds, or no round with both figures). One round
+    decides nothing: the proxy-added p50 of one run moved from 43 to 153 us between runs
+    minutes apart (twenty-sixth session)."""
     if len(rounds) < 2:
         return None
-    ratios = []
-    for r in rounds:
-        added, proxy_added = added_latency(percentiles(r))
-        if added and proxy_added and proxy_added["p50"] > 0:
-            ratios.append(added["p50"] / proxy_added["p50"])
+    ratios = [a["p50"] / b["p50"] for a, b in rounds if a and b and b["p50"] > 0]
     if not ratios:
         return None
     median = _median(ratios)

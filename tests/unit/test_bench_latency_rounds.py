@@ -24,6 +24,11 @@ def round_of(direct: int, broker: int, raw: int, proxy: int) -> dict[str, list[i
     return {path: [v * 1000] * 10 for path, v in us.items()}
 
 
+def added(*rounds: dict[str, list[int]]) -> list[tuple[dict[str, float], dict[str, float]]]:
+    """Rounds as ``report.report`` gives them to ``latency_rounds_line``."""
+    return [report.added_latency(report.percentiles(r)) for r in rounds]
+
+
 def test_each_round_runs_the_four_paths_in_an_order_rotated_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[str] = []
 
@@ -43,18 +48,18 @@ def test_each_round_runs_the_four_paths_in_an_order_rotated_by_one(monkeypatch: 
 def test_the_verdict_over_rounds_is_the_median_ratio(capsys: pytest.CaptureFixture[str]) -> None:
     # broker-added / proxy-added per round: 100/80 = 1.25, 300/100 = 3.0, 140/100 = 1.4
     rounds = [round_of(100, 200, 50, 130), round_of(100, 400, 50, 150), round_of(100, 240, 50, 150)]
-    assert report.latency_rounds_line(rounds) is True
+    assert report.latency_rounds_line(added(*rounds)) is True
     assert "over 3 rounds: MET (median 1.40x; rounds 1.25x, 3.00x, 1.40x)" in capsys.readouterr().out
     rounds[2] = round_of(100, 300, 50, 150)  # 200/100 = 2.0
-    assert report.latency_rounds_line(rounds) is False
+    assert report.latency_rounds_line(added(*rounds)) is False
     assert "NOT MET (median 2.00x" in capsys.readouterr().out
 
 
 def test_one_round_or_rounds_without_a_proxy_decide_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    assert report.latency_rounds_line([round_of(100, 200, 50, 130)]) is None
+    assert report.latency_rounds_line(added(round_of(100, 200, 50, 130))) is None
     no_proxy = round_of(100, 200, 50, 130)
     del no_proxy["proxy"]
-    assert report.latency_rounds_line([no_proxy, no_proxy]) is None
+    assert report.latency_rounds_line(added(no_proxy, no_proxy)) is None
     assert capsys.readouterr().out == ""
 
 
