@@ -16,7 +16,11 @@ process. One message is in flight at a time, so the two never run at once. The s
 Per server, this prints:
 - the CPU its loop thread spends per round trip: its clock at the start and end of the measured
   round trips, with the user and system split from ``/proc``;
-- the client's round trip p50.
+- the client's round trip p50;
+- for the broker and the forwarder, each message's time inside the server (``Stamps``): from
+  the start of its read to the start of the send it caused, and that send's own time. The
+  first is the server's work on the latency path; the second, libzmq's send (waking its I/O
+  thread, which on a small machine may run first), is paid by any server that forwards.
 
 The servers take turns within each round, in a rotated order; each figure is the median over
 the rounds. The ratios to ``zmq.proxy`` come from the same run.
@@ -52,6 +56,55 @@ RAW = b"x" * 100
 """What the forwarder's and the proxy's client sends, and the echo returns."""
 
 
+# -- a message's time inside a server -------------------------------------------------------
+class Stamps:
+    """When a server's loop reads each message and sends each one (``perf_counter_ns``): a
+    read's start, a send's start and end. ``mark`` notes where the measured round trips start
+    and end (the warm-up's messages are left out)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int, int]] = []
+        """(0, start, 0) for a read; (1, start, end) for a send."""
+        self.marks: list[int] = []
+
+    def read(self, start: int) -> None:
+        self.events.append((0, start, 0))
+
+    def sent(self, start: int, end: int) -> None:
+        self.events.append((1, start, end))
+
+    def mark(self) -> None:
+        self.marks.append(len(self.events))
+
+    def summary(self) -> dict[str, Any] | None:
+        """The medians of ``residences`` between the first two marks (us); None before them."""
+        if len(self.marks) < 2:
+            return None
+        to_send, send = residences(self.events[self.marks[0] : self.marks[1]])
+        if not to_send:
+            return {"messages": 0, "to_send_us": None, "send_us": None}
+        us = {key: median([ns / 1e3 for ns in times]) for key, times in (("to_send_us", to_send), ("send_us", send))}
+        return {"messages": len(to_send), **us}
+
+
+def residences(events: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+    """Per message read and answered by a send before the next read: the ns from its read's
+    start to that send's start, and the send's own ns. A read with no send before the next read
+    (a heartbeat that needs none) and a send with no read before it (the server's own
+    heartbeat, a second message for one read) count for nothing."""
+    to_send: list[int] = []
+    send: list[int] = []
+    read_at: int | None = None
+    for kind, start, end in events:
+        if kind == 0:
+            read_at = start
+        elif read_at is not None:
+            to_send.append(start - read_at)
+            send.append(end - start)
+            read_at = None
+    return to_send, send
+
+
 # -- the server side (a process of its own: ``--serve NAME``) -------------------------------
 def _marks(report_cpu: Any, stop: Any) -> None:
     """Answer each line on stdin: ``mark``, the main thread's CPU clock (ns) and its user and
@@ -79,10 +132,45 @@ def serve_broker() -> None:
     logging.disable(logging.WARNING)  # the open ports' warning; a failure still shows its traceback
     tcp = "tcp://127.0.0.1:*"
     broker = Broker(BrokerConfig(frontend=tcp, backend=tcp, busy_poll_us=0, metrics_port=None))
+    stamps = _stamp_broker()
     _say(broker.frontend_address, broker.backend_address)
-    threading.Thread(target=_marks, args=(_say, broker.stop), daemon=True).start()
+    threading.Thread(target=_marks, args=(_marked(stamps), broker.stop), daemon=True).start()
     broker.run()
-    _say(broker.scheduler.stats.completed)
+    _say(broker.scheduler.stats.completed, stamps.summary())
+
+
+def _stamp_broker() -> Stamps:
+    """The broker loop's reads and sends (``server.recv_frames`` and ``send_frames``, which
+    ``Broker._read`` and ``_flush`` call), stamped: two clock reads a message (a fraction of a
+    microsecond, in its CPU figure too)."""
+    from zmq_rollout.broker import server
+
+    stamps, clock = Stamps(), time.perf_counter_ns
+    recv_frames, send_frames = server.recv_frames, server.send_frames
+
+    def read(sock: Any) -> tuple[bytes, list[Any]]:
+        start = clock()
+        got = recv_frames(sock)  # zmq.Again: no message, no stamp
+        stamps.read(start)
+        return got
+
+    def send(sock: Any, frames: list[Any]) -> None:
+        start = clock()
+        send_frames(sock, frames)
+        stamps.sent(start, clock())
+
+    server.recv_frames, server.send_frames = read, send  # this process's only broker
+    return stamps
+
+
+def _marked(stamps: Stamps) -> Any:
+    """``_say`` for ``_marks``: each mark also noted in ``stamps``."""
+
+    def report(*cpu: Any) -> None:
+        stamps.mark()
+        _say(*cpu)
+
+    return report
 
 
 def _bound_pair(back_type: int) -> tuple[Any, Any]:
@@ -112,8 +200,8 @@ def _waiting(sock: Any) -> tuple[bytes, list[Any]] | None:
 
 def serve_forwarder() -> None:
     front, back = _bound_pair(zmq.ROUTER)
-    stopped = threading.Event()
-    threading.Thread(target=_marks, args=(_say, stopped.set), daemon=True).start()
+    stopped, stamps, clock = threading.Event(), Stamps(), time.perf_counter_ns
+    threading.Thread(target=_marks, args=(_marked(stamps), stopped.set), daemon=True).start()
     poller = zmq.Poller()
     poller.register(front, zmq.POLLIN)
     poller.register(back, zmq.POLLIN)
@@ -122,33 +210,46 @@ def serve_forwarder() -> None:
     forwarded = 0
     while not stopped.is_set():
         ready = dict(poller.poll(100))
-        while back in ready and (got := _waiting(back)) is not None:
+        while back in ready and (got := _read_stamped(back, stamps)) is not None:
             identity, frames = got
             if worker is None:  # its hello, answered: then its client may send
                 worker = identity
                 back.send(identity, more)
                 back.send(b"welcome", nb)
                 continue
+            start = clock()
             for frame in frames[:-1]:  # the client's identity, then the body
                 front.send(frame, more)
             front.send(frames[-1], nb)
+            stamps.sent(start, clock())
             forwarded += 1
-        while front in ready and (got := _waiting(front)) is not None:
+        while front in ready and (got := _read_stamped(front, stamps)) is not None:
             identity, frames = got
+            start = clock()
             back.send(worker, more)
             back.send(identity, more)
             for frame in frames[:-1]:
                 back.send(frame, more)
             back.send(frames[-1], nb)
-    _say(forwarded)
+            stamps.sent(start, clock())
+    _say(forwarded, stamps.summary())
     os._exit(0)  # the context's sockets go with the process
+
+
+def _read_stamped(sock: Any, stamps: Stamps) -> tuple[bytes, list[Any]] | None:
+    """``_waiting``, its start stamped where it found a message."""
+    start = time.perf_counter_ns()
+    got = _waiting(sock)
+    if got is not None:
+        stamps.read(start)
+    return got
 
 
 def serve_proxy() -> None:
     front, back = _bound_pair(zmq.DEALER)
 
     def stop() -> None:
-        _say(None)  # zmq.proxy counts nothing
+        _say(None, None)  # zmq.proxy counts nothing, and its loop is not ours to stamp
         os._exit(0)
 
     threading.Thread(target=_marks, args=(_say, stop), daemon=True).start()
@@ -231,8 +332,9 @@ class Peers:
 def measure(server: str, round_trips: int) -> dict[str, Any]:
     """``round_trips`` one-job round trips through ``server`` (after a fifth as many to warm up),
     in a fresh process: its loop thread's CPU per round trip (us; user and system from the
-    thread's ticks), the client's p50 (us), and what the server says it forwarded (round trips
-    for the broker and the forwarder, warm-up included; None for ``zmq.proxy``)."""
+    thread's ticks), the client's p50 (us), what the server says it forwarded (round trips
+    for the broker and the forwarder, warm-up included; None for ``zmq.proxy``), and its
+    messages' time inside it (``Stamps.summary``; None for ``zmq.proxy``)."""
     if server not in SERVERS:
         raise ValueError(f"unknown server {server!r}: one of {', '.join(SERVERS)}")
     proc = subprocess.Popen(
@@ -256,7 +358,7 @@ def measure(server: str, round_trips: int) -> dict[str, Any]:
         cpu0, user0, sys0 = ask("mark")
         times = [peers.round_trip() for _ in range(round_trips)]
         cpu1, user1, sys1 = ask("mark")
-        forwarded = ask("stop")[0]
+        forwarded, inside = ask("stop")
         proc.wait(timeout=30)
     finally:
         if peers is not None:
@@ -272,21 +374,31 @@ def measure(server: str, round_trips: int) -> dict[str, Any]:
         "p50_us": statistics.median(times) / 1e3,
         "forwarded": forwarded,
         "sent": peers.sent,
+        "inside": inside,
     }
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Each server's medians over its runs, and the ratios of CPU per round trip: to
-    ``zmq.proxy``'s, and the broker's own work (its CPU less the forwarder's)."""
-    out: dict[str, Any] = {
-        server: {key: round(median([r[key] for r in rs]), 1) for key in ("cpu_us", "user_us", "sys_us", "p50_us")}
-        for server, rs in runs.items()
-    }
+    ``zmq.proxy``'s, and the broker's own work (its CPU less the forwarder's). Where the runs
+    stamped their messages (``Stamps``): the medians over the runs of each message's time to
+    its send and of the send, and the broker's time to the send less the forwarder's."""
+    out: dict[str, Any] = {}
+    for server, rs in runs.items():
+        out[server] = {key: round(median([r[key] for r in rs]), 1) for key in ("cpu_us", "user_us", "sys_us", "p50_us")}
+        inside = [r["inside"] for r in rs if r.get("inside") and r["inside"]["messages"]]
+        if inside:
+            for key in ("to_send_us", "send_us"):
+                out[server][key] = round(median([i[key] for i in inside]), 1)
     cpu = {server: out[server]["cpu_us"] for server in out}
     if "proxy" in cpu:
         out["cpu_over_proxy"] = {s: round(cpu[s] / cpu["proxy"], 2) for s in cpu if s != "proxy"}
     if "broker" in cpu and "forwarder" in cpu:
         out["broker_own_work_us"] = round(cpu["broker"] - cpu["forwarder"], 1)
+        if "to_send_us" in out["broker"] and "to_send_us" in out["forwarder"]:
+            out["broker_to_send_beyond_forwarder_us"] = round(
+                out["broker"]["to_send_us"] - out["forwarder"]["to_send_us"], 1
+            )
     return out
 
 
@@ -294,18 +406,28 @@ def report(runs: dict[str, list[dict[str, Any]]], round_trips: int) -> dict[str,
     result = summarize(runs)
     rounds = len(next(iter(runs.values())))
     print(f"a one-job round trip, {round_trips} of them per run, median of {rounds} rounds, {os.cpu_count()} CPUs")
-    print("  server      loop thread CPU (user, system)      client p50   runs (CPU us)")
+    print(
+        "  server      loop thread CPU (user, system)      client p50   per message: to its send, send   runs (CPU us)"
+    )
     for server, rs in runs.items():
         r = result[server]
         each = ", ".join(f"{x['cpu_us']:.1f}" for x in rs)
+        inside = (
+            f"{r['to_send_us']:8.1f} us, {r['send_us']:6.1f} us" if "to_send_us" in r else f"{'-':>8}     {'-':>6}   "
+        )
         print(
             f"  {server:10} {r['cpu_us']:7.1f} us ({r['user_us']:6.1f}, {r['sys_us']:5.1f})"
-            f"   {r['p50_us']:8.1f} us   {each}"
+            f"   {r['p50_us']:8.1f} us   {inside}          {each}"
         )
     for server, ratio in result.get("cpu_over_proxy", {}).items():
         print(f"  {server} / zmq.proxy, CPU per round trip: {ratio:.2f}x")
     if "broker_own_work_us" in result:
         print(f"  the broker's own work (its CPU less the bare forwarder's): {result['broker_own_work_us']:.1f} us")
+    if "broker_to_send_beyond_forwarder_us" in result:
+        print(
+            "  a message's time to its send, the broker's less the forwarder's (its work on the latency path, "
+            f"twice a round trip): {result['broker_to_send_beyond_forwarder_us']:.1f} us"
+        )
     print("RESULT " + json.dumps(result))
     return result
 

@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,12 @@ def test_each_server_carries_every_round_trip_and_its_loop_thread_is_timed(serve
     assert run["forwarded"] == (None if server == "proxy" else WARM_UP + ROUND_TRIPS)
     assert run["cpu_us"] > 0 and run["p50_us"] > 0
     assert run["user_us"] >= 0 and run["sys_us"] >= 0
+    if server == "proxy":
+        assert run["inside"] is None  # libzmq's loop: not ours to stamp
+    else:  # a SUBMIT (or its raw message) and a FINAL per round trip, each read and then sent on
+        inside = run["inside"]
+        assert 2 * ROUND_TRIPS - 2 <= inside["messages"] <= 2 * ROUND_TRIPS, inside  # less a heartbeat's
+        assert inside["to_send_us"] > 0 and inside["send_us"] > 0
 
 
 def test_an_unknown_server_is_refused() -> None:
@@ -33,25 +40,63 @@ def test_an_unknown_server_is_refused() -> None:
         loop_cost.measure("nginx", 1)
 
 
-def run(cpu: float) -> dict[str, float]:
-    return {"cpu_us": cpu, "user_us": cpu / 2, "sys_us": cpu / 4, "p50_us": 10 * cpu}
+def test_a_message_counts_from_its_read_to_the_send_it_caused() -> None:
+    read, sent = 0, 1
+    events = [
+        (sent, 5, 9),  # the server's own heartbeat: no read before it
+        (read, 100, 0),
+        (sent, 140, 175),  # the SUBMIT's JOBS: 40 ns to the send, 35 ns of send
+        (read, 300, 0),  # a heartbeat that needs no answer
+        (read, 400, 0),
+        (sent, 410, 430),  # the FINAL sent on
+        (sent, 440, 450),  # a second message for one read
+    ]
+    assert loop_cost.residences(events) == ([40, 10], [35, 20])
+
+
+def test_the_stamps_summarize_only_the_marked_round_trips() -> None:
+    stamps = loop_cost.Stamps()
+    stamps.read(0)
+    stamps.sent(9_000, 10_000)  # the warm-up's, before the first mark
+    assert stamps.summary() is None
+    stamps.mark()
+    for start in (100_000, 200_000, 300_000):
+        stamps.read(start)
+        stamps.sent(start + 4_000, start + 6_000)
+    stamps.mark()
+    stamps.read(400_000)
+    stamps.sent(500_000, 600_000)  # after the second mark
+    assert stamps.summary() == {"messages": 3, "to_send_us": 4.0, "send_us": 2.0}
+
+
+def run(cpu: float, inside: dict[str, float] | None = None) -> dict[str, Any]:
+    return {"cpu_us": cpu, "user_us": cpu / 2, "sys_us": cpu / 4, "p50_us": 10 * cpu, "inside": inside}
+
+
+def inside(to_send: float, send: float) -> dict[str, float]:
+    return {"messages": 100, "to_send_us": to_send, "send_us": send}
 
 
 def test_the_summary_takes_medians_and_its_ratios_to_the_proxy(capsys: pytest.CaptureFixture[str]) -> None:
     runs = {
-        "broker": [run(170), run(150), run(190)],
-        "forwarder": [run(110), run(100), run(130)],
+        "broker": [run(170, inside(40, 30)), run(150, inside(50, 35)), run(190, inside(45, 40))],
+        "forwarder": [run(110, inside(6, 10)), run(100, inside(5, 20)), run(130, inside(7, 30))],
         "proxy": [run(50), run(40), run(60)],
     }
     result = loop_cost.report(runs, 5000)
-    assert result["broker"] == {"cpu_us": 170, "user_us": 85, "sys_us": 42.5, "p50_us": 1700}
+    broker = {"cpu_us": 170, "user_us": 85, "sys_us": 42.5, "p50_us": 1700, "to_send_us": 45, "send_us": 35}
+    assert result["broker"] == broker
+    assert result["proxy"] == {"cpu_us": 50, "user_us": 25, "sys_us": 12.5, "p50_us": 500}
     assert result["cpu_over_proxy"] == {"broker": 3.4, "forwarder": 2.2}
     assert result["broker_own_work_us"] == 60
+    assert result["broker_to_send_beyond_forwarder_us"] == 39
     out = capsys.readouterr().out
     assert json.loads(out.splitlines()[-1].removeprefix("RESULT ")) == json.loads(json.dumps(result))
     assert "broker / zmq.proxy, CPU per round trip: 3.40x" in out
+    assert "the broker's less the forwarder's (its work on the latency path, twice a round trip): 39.0 us" in out
 
 
 def test_without_the_proxy_or_the_forwarder_no_ratio_is_made_up() -> None:
-    result = loop_cost.summarize({"broker": [run(170)]})
+    result = loop_cost.summarize({"broker": [run(170, inside(40, 30))]})
     assert "cpu_over_proxy" not in result and "broker_own_work_us" not in result
+    assert "broker_to_send_beyond_forwarder_us" not in result
