@@ -59,50 +59,63 @@ RAW = b"x" * 100
 # -- a message's time inside a server -------------------------------------------------------
 class Stamps:
     """When a server's loop reads each message and sends each one (``perf_counter_ns``): a
-    read's start, a send's start and end. ``mark`` notes where the measured round trips start
-    and end (the warm-up's messages are left out)."""
+    read's start and its side (``CLIENT`` or ``WORKER``: who sent it), a send's start and end.
+    ``mark`` notes where the measured round trips start and end (the warm-up is left out)."""
 
     def __init__(self) -> None:
         self.events: list[tuple[int, int, int]] = []
-        """(0, start, 0) for a read; (1, start, end) for a send."""
+        """(READ, start, side) for a read; (SEND, start, end) for a send."""
         self.marks: list[int] = []
 
-    def read(self, start: int) -> None:
-        self.events.append((0, start, 0))
+    def read(self, start: int, side: int) -> None:
+        self.events.append((READ, start, side))
 
     def sent(self, start: int, end: int) -> None:
-        self.events.append((1, start, end))
+        self.events.append((SEND, start, end))
 
     def mark(self) -> None:
         self.marks.append(len(self.events))
 
     def summary(self) -> dict[str, Any] | None:
-        """The medians of ``residences`` between the first two marks (us); None before them."""
+        """The medians of ``residences`` between the first two marks (us), over all messages and
+        per side (a client's message to its send, a worker's); None before the marks."""
         if len(self.marks) < 2:
             return None
-        to_send, send = residences(self.events[self.marks[0] : self.marks[1]])
-        if not to_send:
-            return {"messages": 0, "to_send_us": None, "send_us": None}
-        us = {key: median([ns / 1e3 for ns in times]) for key, times in (("to_send_us", to_send), ("send_us", send))}
-        return {"messages": len(to_send), **us}
+        found = residences(self.events[self.marks[0] : self.marks[1]])
+        out: dict[str, Any] = {"messages": len(found)}
+        for key, side, at in INSIDE:
+            times = [r[at] / 1e3 for r in found if side is None or r[0] == side]
+            out[key] = median(times) if times else None
+        return out
 
 
-def residences(events: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
-    """Per message read and answered by a send before the next read: the ns from its read's
-    start to that send's start, and the send's own ns. A read with no send before the next read
-    (a heartbeat that needs none) and a send with no read before it (the server's own
+READ, SEND = 0, 1
+CLIENT, WORKER = 0, 1
+"""Who sent a message the server read."""
+INSIDE = (
+    ("to_send_us", None, 1),
+    ("send_us", None, 2),
+    ("client_to_send_us", CLIENT, 1),
+    ("worker_to_send_us", WORKER, 1),
+)
+"""``Stamps.summary``'s figures: (key, the side whose messages it takes or None for all, the
+field of ``residences``)."""
+
+
+def residences(events: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Per message read and answered by a send before the next read: its side, the ns from its
+    read's start to that send's start, and the send's own ns. A read with no send before the
+    next read (a heartbeat that needs none) and a send with no read before it (the server's own
     heartbeat, a second message for one read) count for nothing."""
-    to_send: list[int] = []
-    send: list[int] = []
-    read_at: int | None = None
-    for kind, start, end in events:
-        if kind == 0:
-            read_at = start
-        elif read_at is not None:
-            to_send.append(start - read_at)
-            send.append(end - start)
-            read_at = None
-    return to_send, send
+    found: list[tuple[int, int, int]] = []
+    read: tuple[int, int] | None = None  # (start, side)
+    for kind, start, value in events:
+        if kind == READ:
+            read = (start, value)
+        elif read is not None:
+            found.append((read[1], start - read[0], value - start))
+            read = None
+    return found
 
 
 # -- the server side (a process of its own: ``--serve NAME``) -------------------------------
@@ -132,17 +145,17 @@ def serve_broker() -> None:
     logging.disable(logging.WARNING)  # the open ports' warning; a failure still shows its traceback
     tcp = "tcp://127.0.0.1:*"
     broker = Broker(BrokerConfig(frontend=tcp, backend=tcp, busy_poll_us=0, metrics_port=None))
-    stamps = _stamp_broker()
+    stamps = _stamp_broker(lambda: broker.backend)
     _say(broker.frontend_address, broker.backend_address)
     threading.Thread(target=_marks, args=(_marked(stamps), broker.stop), daemon=True).start()
     broker.run()
     _say(broker.scheduler.stats.completed, stamps.summary())
 
 
-def _stamp_broker() -> Stamps:
+def _stamp_broker(backend: Any) -> Stamps:
     """The broker loop's reads and sends (``server.recv_frames`` and ``send_frames``, which
     ``Broker._read`` and ``_flush`` call), stamped: two clock reads a message (a fraction of a
-    microsecond, in its CPU figure too)."""
+    microsecond, in its CPU figure too). ``backend()``: the broker's workers' socket."""
     from zmq_rollout.broker import server
 
     stamps, clock = Stamps(), time.perf_counter_ns
@@ -151,7 +164,7 @@ def _stamp_broker() -> Stamps:
     def read(sock: Any) -> tuple[bytes, list[Any]]:
         start = clock()
         got = recv_frames(sock)  # zmq.Again: no message, no stamp
-        stamps.read(start)
+        stamps.read(start, WORKER if sock is backend() else CLIENT)
         return got
 
     def send(sock: Any, frames: list[Any]) -> None:
@@ -210,7 +223,7 @@ def serve_forwarder() -> None:
     forwarded = 0
     while not stopped.is_set():
         ready = dict(poller.poll(100))
-        while back in ready and (got := _read_stamped(back, stamps)) is not None:
+        while back in ready and (got := _read_stamped(back, stamps, WORKER)) is not None:
             identity, frames = got
             if worker is None:  # its hello, answered: then its client may send
                 worker = identity
@@ -223,7 +236,7 @@ def serve_forwarder() -> None:
             front.send(frames[-1], nb)
             stamps.sent(start, clock())
             forwarded += 1
-        while front in ready and (got := _read_stamped(front, stamps)) is not None:
+        while front in ready and (got := _read_stamped(front, stamps, CLIENT)) is not None:
             identity, frames = got
             start = clock()
             back.send(worker, more)
@@ -236,12 +249,12 @@ def serve_forwarder() -> None:
     os._exit(0)  # the context's sockets go with the process
 
 
-def _read_stamped(sock: Any, stamps: Stamps) -> tuple[bytes, list[Any]] | None:
+def _read_stamped(sock: Any, stamps: Stamps, side: int) -> tuple[bytes, list[Any]] | None:
     """``_waiting``, its start stamped where it found a message."""
     start = time.perf_counter_ns()
     got = _waiting(sock)
     if got is not None:
-        stamps.read(start)
+        stamps.read(start, side)
     return got
 
 
@@ -381,15 +394,16 @@ def measure(server: str, round_trips: int) -> dict[str, Any]:
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Each server's medians over its runs, and the ratios of CPU per round trip: to
     ``zmq.proxy``'s, and the broker's own work (its CPU less the forwarder's). Where the runs
-    stamped their messages (``Stamps``): the medians over the runs of each message's time to
-    its send and of the send, and the broker's time to the send less the forwarder's."""
+    stamped their messages (``Stamps``): the medians over the runs of ``INSIDE``'s figures, and
+    the broker's time to the send less the forwarder's."""
     out: dict[str, Any] = {}
     for server, rs in runs.items():
         out[server] = {key: round(median([r[key] for r in rs]), 1) for key in ("cpu_us", "user_us", "sys_us", "p50_us")}
         inside = [r["inside"] for r in rs if r.get("inside") and r["inside"]["messages"]]
-        if inside:
-            for key in ("to_send_us", "send_us"):
-                out[server][key] = round(median([i[key] for i in inside]), 1)
+        for key, _, _ in INSIDE:
+            values = [i[key] for i in inside if i.get(key) is not None]
+            if values:
+                out[server][key] = round(median(values), 1)
     cpu = {server: out[server]["cpu_us"] for server in out}
     if "proxy" in cpu:
         out["cpu_over_proxy"] = {s: round(cpu[s] / cpu["proxy"], 2) for s in cpu if s != "proxy"}
@@ -406,19 +420,19 @@ def report(runs: dict[str, list[dict[str, Any]]], round_trips: int) -> dict[str,
     result = summarize(runs)
     rounds = len(next(iter(runs.values())))
     print(f"a one-job round trip, {round_trips} of them per run, median of {rounds} rounds, {os.cpu_count()} CPUs")
-    print(
-        "  server      loop thread CPU (user, system)      client p50   per message: to its send, send   runs (CPU us)"
-    )
+    print("  server      loop thread CPU (user, system)   client p50   runs (CPU us)")
     for server, rs in runs.items():
         r = result[server]
         each = ", ".join(f"{x['cpu_us']:.1f}" for x in rs)
-        inside = (
-            f"{r['to_send_us']:8.1f} us, {r['send_us']:6.1f} us" if "to_send_us" in r else f"{'-':>8}     {'-':>6}   "
-        )
-        print(
-            f"  {server:10} {r['cpu_us']:7.1f} us ({r['user_us']:6.1f}, {r['sys_us']:5.1f})"
-            f"   {r['p50_us']:8.1f} us   {inside}          {each}"
-        )
+        cpu = f"{r['cpu_us']:7.1f} us ({r['user_us']:6.1f}, {r['sys_us']:5.1f})"
+        print(f"  {server:10} {cpu}   {r['p50_us']:7.1f} us   {each}")
+    stamped = [server for server in runs if "to_send_us" in result[server]]
+    if stamped:
+        print("  per message, read to send (median): all, a client's, a worker's; the send itself")
+        for server in stamped:
+            r = result[server]
+            sides = "  ".join(f"{r[k]:6.1f} us" if k in r else f"{'-':>6}   " for k, _, _ in INSIDE if k != "send_us")
+            print(f"  {server:10} {sides}   {r['send_us']:6.1f} us")
     for server, ratio in result.get("cpu_over_proxy", {}).items():
         print(f"  {server} / zmq.proxy, CPU per round trip: {ratio:.2f}x")
     if "broker_own_work_us" in result:

@@ -41,32 +41,41 @@ def test_an_unknown_server_is_refused() -> None:
 
 
 def test_a_message_counts_from_its_read_to_the_send_it_caused() -> None:
-    read, sent = 0, 1
+    read, sent, client, worker = loop_cost.READ, loop_cost.SEND, loop_cost.CLIENT, loop_cost.WORKER
     events = [
         (sent, 5, 9),  # the server's own heartbeat: no read before it
-        (read, 100, 0),
+        (read, 100, client),
         (sent, 140, 175),  # the SUBMIT's JOBS: 40 ns to the send, 35 ns of send
-        (read, 300, 0),  # a heartbeat that needs no answer
-        (read, 400, 0),
+        (read, 300, worker),  # a heartbeat that needs no answer
+        (read, 400, worker),
         (sent, 410, 430),  # the FINAL sent on
         (sent, 440, 450),  # a second message for one read
     ]
-    assert loop_cost.residences(events) == ([40, 10], [35, 20])
+    assert loop_cost.residences(events) == [(client, 40, 35), (worker, 10, 20)]
 
 
-def test_the_stamps_summarize_only_the_marked_round_trips() -> None:
+def test_the_stamps_summarize_only_the_marked_round_trips_per_side() -> None:
     stamps = loop_cost.Stamps()
-    stamps.read(0)
+    stamps.read(0, loop_cost.CLIENT)
     stamps.sent(9_000, 10_000)  # the warm-up's, before the first mark
     assert stamps.summary() is None
     stamps.mark()
-    for start in (100_000, 200_000, 300_000):
-        stamps.read(start)
-        stamps.sent(start + 4_000, start + 6_000)
+    for start, side, to_send in ((100_000, loop_cost.CLIENT, 5_000), (200_000, loop_cost.WORKER, 3_000)) * 2:
+        stamps.read(start, side)
+        stamps.sent(start + to_send, start + to_send + 2_000)
+    stamps.read(300_000, loop_cost.CLIENT)
+    stamps.sent(301_000, 303_000)
     stamps.mark()
-    stamps.read(400_000)
+    stamps.read(400_000, loop_cost.WORKER)
     stamps.sent(500_000, 600_000)  # after the second mark
-    assert stamps.summary() == {"messages": 3, "to_send_us": 4.0, "send_us": 2.0}
+    summary = stamps.summary()
+    assert summary == {
+        "messages": 5,
+        "to_send_us": 3.0,  # of 1, 3, 3, 5, 5
+        "send_us": 2.0,
+        "client_to_send_us": 5.0,  # of 1, 5, 5
+        "worker_to_send_us": 3.0,
+    }
 
 
 def run(cpu: float, inside: dict[str, float] | None = None) -> dict[str, Any]:
@@ -74,7 +83,9 @@ def run(cpu: float, inside: dict[str, float] | None = None) -> dict[str, Any]:
 
 
 def inside(to_send: float, send: float) -> dict[str, float]:
-    return {"messages": 100, "to_send_us": to_send, "send_us": send}
+    """A run's ``Stamps.summary``: a client's message 5 us slower to its send than a worker's."""
+    sides = {"client_to_send_us": to_send + 5, "worker_to_send_us": to_send - 5}
+    return {"messages": 100, "to_send_us": to_send, "send_us": send, **sides}
 
 
 def test_the_summary_takes_medians_and_its_ratios_to_the_proxy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,7 +96,7 @@ def test_the_summary_takes_medians_and_its_ratios_to_the_proxy(capsys: pytest.Ca
     }
     result = loop_cost.report(runs, 5000)
     broker = {"cpu_us": 170, "user_us": 85, "sys_us": 42.5, "p50_us": 1700, "to_send_us": 45, "send_us": 35}
-    assert result["broker"] == broker
+    assert result["broker"] == {**broker, "client_to_send_us": 50, "worker_to_send_us": 40}
     assert result["proxy"] == {"cpu_us": 50, "user_us": 25, "sys_us": 12.5, "p50_us": 500}
     assert result["cpu_over_proxy"] == {"broker": 3.4, "forwarder": 2.2}
     assert result["broker_own_work_us"] == 60
