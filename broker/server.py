@@ -313,12 +313,11 @@ class Broker(Inbound):
     def _read(self, sock: zmq.Socket[Any], handler: Any, now: float) -> None:
         """Hand up to ``_READ_BATCH`` waiting messages of ``sock`` to ``handler``, noting
         which peers sent the split form. Reads until none is left, but where the last read of
-        ``sock`` found one message, as while jobs come one at a time: then the first message's
-        answers are sent (``_flush``) and its events say whether another waits; if none does it
-        reads no more. A read that finds none costs more than reading a message (libzmq handles
-        its pending commands, and pyzmq raises ``zmq.Again``); asking costs about half of that,
-        a loss where several messages wait (``benchmarks/README.md``, twenty-fifth session), and
-        is off the latency path once the answers went first (twenty-seventh session)."""
+        ``sock`` found one message, as while jobs come one at a time: then, after the first
+        message, its events say whether another waits, and if none does it reads no more. A read
+        that finds none costs more than reading a message (libzmq handles its pending commands,
+        and pyzmq raises ``zmq.Again``); asking costs about half of that, a loss where several
+        messages wait (``benchmarks/README.md``, twenty-fifth session)."""
         split, read, ask = self._split, 0, self._read_one.get(sock, False)
         while read < _READ_BATCH:
             try:
@@ -331,18 +330,13 @@ class Broker(Inbound):
             elif split and identity in split:
                 del split[identity]
             handler(identity, frames, now)  # Frames: buffers msgspec decodes in place
-            if read == 1 and ask:
-                self._flush(now)
-                if not more_waiting(sock):
-                    break
+            if read == 1 and ask and not more_waiting(sock):
+                break
         self._read_one[sock] = read == 1
         self.scheduler.stats.messages_received += read
 
     def _flush(self, now: float) -> None:
-        sched = self.scheduler
-        if not sched.dispatch_pending and not len(sched.outbox):  # sent already (``_read``), or nothing to
-            return
-        sched.flush_dispatch(now)
+        self.scheduler.flush_dispatch(now)
         split = self._split
         out = self.scheduler.outbox.take()
         self.scheduler.stats.messages_sent += len(out)  # tried; one that cannot go is counted unroutable

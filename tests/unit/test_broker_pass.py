@@ -146,24 +146,21 @@ def test_while_messages_come_one_a_pass_no_read_that_finds_none_is_tried(
     drive = one_pass
     reads = counted_reads(monkeypatch)
 
-    def beats(n: int) -> tuple[list[str], int]:
-        """The reads of one pass that finds ``n`` heartbeats waiting, and the heartbeats it
-        answered with (a second heartbeat in a row says nothing new, ``batching.append``; but a
-        socket that asks sends the first message's answer before it asks)."""
+    def beats(n: int) -> list[str]:
+        """The reads of one pass that finds ``n`` heartbeats waiting (answered by one: a second
+        heartbeat in a row says nothing new, ``batching.append``)."""
         reads.clear()
         for _ in range(n):
             drive.client.send_multipart(codec.encode(p.HEARTBEAT))
         drive.run()
-        answers = 0
-        while drive.client.poll(0):
-            assert TO_CLIENT.decode(drive.client.recv_multipart()).body.epoch == drive.broker.epoch
-            answers += 1
-        return list(reads), answers
+        assert next_body(drive.client, TO_CLIENT, p.HEARTBEAT).epoch == drive.broker.epoch
+        assert not drive.client.poll(0)
+        return list(reads)
 
-    assert beats(1) == (["message", "none"], 1)  # a socket's first read: until none is left
-    assert beats(1) == (["message"], 1)  # its last read found one: it asks instead, and none waits
-    assert beats(3) == (["message", "message", "message", "none"], 2)  # it asks, more wait: read on
-    assert beats(1) == (["message", "none"], 1)  # its last read found three: until none is left
+    assert beats(1) == ["message", "none"]  # a socket's first read: until none is left
+    assert beats(1) == ["message"]  # its last read found one: it asks instead, and none waits
+    assert beats(3) == ["message", "message", "message", "none"]  # it asks, more wait: read on
+    assert beats(1) == ["message", "none"]  # its last read found three: until none is left
     assert drive.broker.scheduler.stats.messages_received == 6
 
 
@@ -178,35 +175,3 @@ def test_messages_waiting_together_are_all_read_in_one_pass(one_pass: Pass, monk
     assert drive.broker.scheduler.stats.messages_received == 4
     jobs = next_body(drive.worker, TO_WORKER, p.JOBS)
     assert [a.job.job_id for a in jobs] == ["j0", "j1", "j2"]
-
-
-def test_while_messages_come_one_a_pass_each_answer_is_sent_before_the_socket_is_asked_for_more(
-    one_pass: Pass, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The latency path: a SUBMIT's JOBS is at its worker, and a FINAL at its client, before the
-    broker asks the socket they came on whether another message waits (``more_waiting``)."""
-    drive = one_pass
-    drive.worker.send_multipart(codec.encode(p.READY, p.WorkerInfo("worker", "m", 8)))
-    drive.client.send_multipart(codec.encode(p.HEARTBEAT))
-    drive.run()  # each socket's first read found one message: from now on it asks
-    assert next_body(drive.worker, TO_WORKER, p.HEARTBEAT).epoch == drive.broker.epoch
-    assert next_body(drive.client, TO_CLIENT, p.HEARTBEAT).epoch == drive.broker.epoch
-    asked: list[tuple[str, bool]] = []
-    ask = server.more_waiting
-
-    def more_waiting(sock: zmq.Socket[Any]) -> bool:
-        side, peer = ("client", drive.worker) if sock is drive.broker.frontend else ("worker", drive.client)
-        asked.append((side, bool(peer.poll(0))))  # the answer already at its peer?
-        return ask(sock)
-
-    monkeypatch.setattr(server, "more_waiting", more_waiting)
-    drive.client.send_multipart(codec.encode(p.SUBMIT, [p.JobSpec("j", SAMPLING, "x", ack=False)]))
-    drive.run()
-    assert asked == [("client", True)], "the socket was asked for more before the JOBS went"
-    (assignment,) = next_body(drive.worker, TO_WORKER, p.JOBS)
-    drive.worker.send_multipart(codec.encode(p.FINAL, [echo_result(assignment, "worker", 0)]))
-    drive.run()
-    assert asked == [("client", True), ("worker", True)], "the socket was asked for more before the FINAL went"
-    (result,) = next_body(drive.client, TO_CLIENT, p.FINAL)
-    assert result.key == "j"
-    assert drive.broker.scheduler.stats.completed == 1
