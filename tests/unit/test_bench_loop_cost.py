@@ -23,7 +23,7 @@ WARM_UP = ROUND_TRIPS // 5
 def test_each_server_carries_every_round_trip_and_its_loop_thread_is_timed(server: str) -> None:
     run = loop_cost.measure(server, ROUND_TRIPS)
     assert run["sent"] == WARM_UP + ROUND_TRIPS
-    # The broker and the forwarder count what they carried: each round trip went through them.
+    # The servers in Python count what they carried: each round trip went through them.
     assert run["forwarded"] == (None if server == "proxy" else WARM_UP + ROUND_TRIPS)
     assert run["cpu_us"] > 0 and run["p50_us"] > 0
     assert run["user_us"] >= 0 and run["sys_us"] >= 0
@@ -100,14 +100,26 @@ def test_the_summary_takes_medians_and_its_ratios_to_the_proxy(capsys: pytest.Ca
     assert result["proxy"] == {"cpu_us": 50, "user_us": 25, "sys_us": 12.5, "p50_us": 500}
     assert result["cpu_over_proxy"] == {"broker": 3.4, "forwarder": 2.2}
     assert result["broker_own_work_us"] == 60
-    assert result["broker_to_send_beyond_forwarder_us"] == 39
+    assert result["to_send_beyond_forwarder_us"] == {"broker": 39}  # the proxy is not stamped
     out = capsys.readouterr().out
     assert json.loads(out.splitlines()[-1].removeprefix("RESULT ")) == json.loads(json.dumps(result))
     assert "broker / zmq.proxy, CPU per round trip: 3.40x" in out
-    assert "the broker's less the forwarder's (its work on the latency path, twice a round trip): 39.0 us" in out
+    assert "a message's read to send, the broker's less the forwarder's (twice a round trip): 39.0 us" in out
 
 
 def test_without_the_proxy_or_the_forwarder_no_ratio_is_made_up() -> None:
-    result = loop_cost.summarize({"broker": [run(170, inside(40, 30))]})
+    result = loop_cost.summarize({"broker": [run(170, inside(40, 30))], "minimal": [run(150, inside(25, 30))]})
     assert "cpu_over_proxy" not in result and "broker_own_work_us" not in result
-    assert "broker_to_send_beyond_forwarder_us" not in result
+    assert "to_send_beyond_forwarder_us" not in result
+
+
+def test_each_stamped_server_is_set_beside_the_forwarders_read_to_send() -> None:
+    result = loop_cost.summarize(
+        {
+            "broker": [run(170, inside(44, 40))],
+            "minimal": [run(150, inside(25, 40))],
+            "forwarder": [run(110, inside(8, 40))],
+        }
+    )
+    assert result["to_send_beyond_forwarder_us"] == {"broker": 36, "minimal": 17}
+    assert result["minimal"]["client_to_send_us"] == 30 and result["minimal"]["worker_to_send_us"] == 20
