@@ -19,7 +19,8 @@ import pytest
 
 from zmq_rollout import SamplingParams
 from zmq_rollout.fuzz_peers import Hammer, rss_bytes
-from zmq_rollout.fuzzing import PORTS, TABLES, Fuzzer, templates
+from zmq_rollout.fuzz_templates import PORTS, TABLES, templates
+from zmq_rollout.fuzzing import Fuzzer
 
 SEED = int(os.environ.get("ZMQ_ROLLOUT_FUZZ_SEED", "2026"))
 MAX_MESSAGE = 1 << 20  # the broker's max_message_bytes here: oversize messages stay cheap

@@ -5,7 +5,8 @@ From the bottom (docs/architecture.md draws the same picture)::
     tools       zmq_rollout.cli, .demo, .local, .top, .gateway   (import the services lazily, in functions)
     services    zmq_rollout.broker.*  |  zmq_rollout.workers.*     (never each other)
     client      zmq_rollout.client, .blocking, .rollouts, .sync_methods, .submissions, .liveness,
-                .testing, .fuzzing, .fuzz_peers, .episodes, .env_hosts, .chat_tokens, .environments.*,
+                .testing, .fuzzing, .fuzz_templates, .fuzz_peers, .episodes, .env_hosts, .chat_tokens,
+                .environments.*,
                 and the package's __init__
     data plane  zmq_rollout.weight_sync.*
     base        zmq_rollout.protocol.*, .codec, .errors, .config, .settings, .batching, .metrics, .tiny_model,
@@ -33,9 +34,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "zmq_rollout.curve", "zmq_rollout.scrape", "zmq_rollout.gc_pauses")),
     ("data plane", ("zmq_rollout.weight_sync",)),
     ("client", ("zmq_rollout.client", "zmq_rollout.blocking", "zmq_rollout.rollouts", "zmq_rollout.testing",
-                "zmq_rollout.fuzzing", "zmq_rollout.fuzz_peers", "zmq_rollout.sync_methods",
-                "zmq_rollout.submissions", "zmq_rollout.liveness", "zmq_rollout.episodes", "zmq_rollout.env_hosts",
-                "zmq_rollout.chat_tokens", "zmq_rollout.environments", "zmq_rollout")),
+                "zmq_rollout.fuzzing", "zmq_rollout.fuzz_templates", "zmq_rollout.fuzz_peers",
+                "zmq_rollout.sync_methods", "zmq_rollout.submissions", "zmq_rollout.liveness", "zmq_rollout.episodes",
+                "zmq_rollout.env_hosts", "zmq_rollout.chat_tokens", "zmq_rollout.environments", "zmq_rollout")),
     ("services", ("zmq_rollout.broker", "zmq_rollout.workers")),
     ("tools", ("zmq_rollout.cli", "zmq_rollout.demo", "zmq_rollout.local", "zmq_rollout.top", "zmq_rollout.gateway",
                "zmq_rollout.integrations")),
