@@ -217,13 +217,22 @@ def _waiting(sock: Any) -> tuple[bytes, list[Any]] | None:
     return identity, frames
 
 
-def serve_forwarder() -> None:
+def _python_server() -> tuple[Any, Any, Any, threading.Event, Stamps]:
+    """A server in Python (``forwarder``, ``minimal``): its two ROUTERs, bound (the parent is
+    told their addresses), a poller of both, the event that stops its loop, and its ``Stamps``,
+    marked with its CPU on each ``mark``."""
     front, back = _bound_pair(zmq.ROUTER)
-    stopped, stamps, clock = threading.Event(), Stamps(), time.perf_counter_ns
+    stopped, stamps = threading.Event(), Stamps()
     threading.Thread(target=_marks, args=(_marked(stamps), stopped.set), daemon=True).start()
     poller = zmq.Poller()
     poller.register(front, zmq.POLLIN)
     poller.register(back, zmq.POLLIN)
+    return front, back, poller, stopped, stamps
+
+
+def serve_forwarder() -> None:
+    front, back, poller, stopped, stamps = _python_server()
+    clock = time.perf_counter_ns
     nb, more = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
     worker: bytes | None = None
     forwarded = 0
@@ -273,12 +282,8 @@ def serve_minimal() -> None:
     what decoding and encoding cost; the broker's less its own, what the scheduler costs."""
     from zmq_rollout.broker.server import recv_frames, send_frames
 
-    front, back = _bound_pair(zmq.ROUTER)
-    stopped, stamps, clock = threading.Event(), Stamps(), time.perf_counter_ns
-    threading.Thread(target=_marks, args=(_marked(stamps), stopped.set), daemon=True).start()
-    poller = zmq.Poller()
-    poller.register(front, zmq.POLLIN)
-    poller.register(back, zmq.POLLIN)
+    front, back, poller, stopped, stamps = _python_server()
+    clock = time.perf_counter_ns
     from_client, from_worker = codec.Decoder(codec.BROKER_FROM_CLIENT), codec.Decoder(codec.FROM_WORKER)
     welcome = codec.encode(p.HEARTBEAT, p.Liveness("minimal", packed=True, sealed=True), packed=True)
     worker = b""
