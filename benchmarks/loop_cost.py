@@ -2,6 +2,7 @@
 that speaks the protocol, a bare Python forwarder's and ``zmq.proxy``'s (issue 12, goal 3).
 
     python benchmarks/loop_cost.py [--round-trips 5000] [--rounds 3] [--servers broker,minimal,forwarder,proxy]
+                                   [--baseline-ref REF]
 
 Each server runs in a process of its own, with one client and one worker, both threads of this
 process. One message is in flight at a time, so the two never run at once. The servers:
@@ -27,7 +28,10 @@ Per server, this prints:
   thread, which on a small machine may run first), is paid by any server that forwards.
 
 The servers take turns within each round, in a rotated order; each figure is the median over
-the rounds. The ratios to ``zmq.proxy`` come from the same run.
+the rounds. The ratios to ``zmq.proxy`` come from the same run. ``--baseline-ref REF`` adds the
+broker of commit REF (a temporary git worktree, its own interpreter mapped to it) as the server
+``baseline`` in the same rounds, and prints this tree's broker over it: CPU, p50 and read to
+send, at the median and per round.
 
 Why it matters: goal 3 wants the broker to add at most 1.5x the latency ``zmq.proxy`` adds. A
 server's CPU per round trip is most of what it adds, past the hops that every process in the
@@ -40,6 +44,8 @@ less ``minimal``'s, what the scheduler costs on the latency path. Prints a RESUL
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import itertools
 import json
 import logging
@@ -152,7 +158,9 @@ def serve_broker() -> None:
     tcp = "tcp://127.0.0.1:*"
     broker = Broker(BrokerConfig(frontend=tcp, backend=tcp, busy_poll_us=0, metrics_port=None))
     stamps = _stamp_broker(lambda: broker.backend)
-    _say(broker.frontend_address, broker.backend_address)
+    _say(
+        broker.frontend_address, broker.backend_address, os.path.realpath(sys.modules[Broker.__module__].__file__ or "")
+    )
     threading.Thread(target=_marks, args=(_marked(stamps), broker.stop), daemon=True).start()
     broker.run()
     _say(broker.scheduler.stats.completed, stamps.summary())
@@ -417,18 +425,41 @@ class Peers:
         self.thread.join(timeout=10)
 
 
-def measure(server: str, round_trips: int) -> dict[str, Any]:
+def serve_command(server: str, tree: str | None = None) -> list[str]:
+    """The command of a server's own process: this file with ``--serve``; or, for the broker of
+    another source tree (``--baseline-ref``), a fresh isolated interpreter that maps
+    ``zmq_rollout`` to that tree (``roles.use_tree``, as ``broker_throughput.py --baseline-ref``
+    does) before it imports this module and serves."""
+    here = os.path.abspath(__file__)
+    if tree is None:
+        return [sys.executable, here, "--serve", server]
+    from roles import use_tree
+
+    source = "\n\n".join(
+        [
+            "from __future__ import annotations",
+            "from typing import Any",
+            inspect.getsource(use_tree),
+            f"use_tree({os.path.realpath(tree)!r})",
+            f"import sys\nsys.path.insert(0, {os.path.dirname(here)!r})",
+            f"import loop_cost\nloop_cost.serve_{server}()",
+        ]
+    )
+    return [sys.executable, "-I", "-c", source]
+
+
+def measure(server: str, round_trips: int, tree: str | None = None) -> dict[str, Any]:
     """``round_trips`` one-job round trips through ``server`` (after a fifth as many to warm up),
     in a fresh process: its loop thread's CPU per round trip (us; user and system from the
     thread's ticks), the client's p50 (us), what the server says it forwarded (round trips
     for the broker and the forwarder, warm-up included; None for ``zmq.proxy``), and its
-    messages' time inside it (``Stamps.summary``; None for ``zmq.proxy``)."""
+    messages' time inside it (``Stamps.summary``; None for ``zmq.proxy``). ``tree``: the
+    broker of that source tree (``serve_command``), checked to be the one that ran."""
     if server not in SERVERS:
         raise ValueError(f"unknown server {server!r}: one of {', '.join(SERVERS)}")
-    proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--serve", server],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    if tree is not None and server != "broker":
+        raise ValueError(f"only the broker comes from another tree, not {server!r}")
+    proc = subprocess.Popen(serve_command(server, tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     stdin, stdout = proc.stdin, proc.stdout
 
@@ -439,7 +470,9 @@ def measure(server: str, round_trips: int) -> dict[str, Any]:
 
     peers = None
     try:
-        front, back = json.loads(stdout.readline())
+        front, back, *source = json.loads(stdout.readline())
+        if tree is not None and not source[0].startswith(os.path.realpath(tree) + os.sep):
+            raise RuntimeError(f"the broker of {tree} ran {source[0]}, another tree's")
         peers = Peers(server, front, back)
         for _ in range(max(1, round_trips // 5)):
             peers.round_trip()
@@ -484,6 +517,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out["cpu_over_proxy"] = {s: round(cpu[s] / cpu["proxy"], 2) for s in cpu if s != "proxy"}
     if "broker" in cpu and "forwarder" in cpu:
         out["broker_own_work_us"] = round(cpu["broker"] - cpu["forwarder"], 1)
+    if "broker" in runs and "baseline" in runs:
+        out["broker_over_baseline"] = over_baseline(runs["broker"], runs["baseline"])
     floor = out.get("forwarder", {}).get("to_send_us")
     if floor is not None:
         stamped = [s for s in runs if s != "forwarder" and "to_send_us" in out[s]]
@@ -492,8 +527,30 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def report(runs: dict[str, list[dict[str, Any]]], round_trips: int) -> dict[str, Any]:
+def over_baseline(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> dict[str, Any]:
+    """This tree's broker over the baseline's (``--baseline-ref``), for its CPU per round trip,
+    client p50 and read to send: the ratio of the medians, and each round's ratio (the two ran
+    in the same round, minutes apart at most: their spread is the noise)."""
+
+    def value(run: dict[str, Any], key: str) -> float | None:
+        inside = run.get("inside") or {}
+        return run.get(key) if key in run else inside.get(key)
+
+    out: dict[str, Any] = {}
+    for key in ("cpu_us", "p50_us", "to_send_us"):
+        pairs = [(value(a, key), value(b, key)) for a, b in zip(after, before, strict=True)]
+        pairs = [(a, b) for a, b in pairs if a is not None and b]
+        if pairs:
+            ratio = median([a for a, _ in pairs]) / median([b for _, b in pairs])
+            out[key] = {"ratio": round(ratio, 3), "rounds": [round(a / b, 3) for a, b in pairs]}
+    return out
+
+
+def report(runs: dict[str, list[dict[str, Any]]], round_trips: int, baseline: str | None = None) -> dict[str, Any]:
+    """Print the summary and its RESULT line. ``baseline``: what the ``baseline`` server is."""
     result = summarize(runs)
+    if baseline is not None:
+        result["baseline_ref"] = baseline
     rounds = len(next(iter(runs.values())))
     print(f"a one-job round trip, {round_trips} of them per run, median of {rounds} rounds, {os.cpu_count()} CPUs")
     print("  server      loop thread CPU (user, system)   client p50   runs (CPU us)")
@@ -515,6 +572,10 @@ def report(runs: dict[str, list[dict[str, Any]]], round_trips: int) -> dict[str,
         print(f"  the broker's own work (its CPU less the bare forwarder's): {result['broker_own_work_us']:.1f} us")
     for server, us in result.get("to_send_beyond_forwarder_us", {}).items():
         print(f"  a message's read to send, the {server}'s less the forwarder's (twice a round trip): {us:.1f} us")
+    if "broker_over_baseline" in result:
+        print(f"  this tree's broker over the baseline's (the broker of {baseline}), median; per round:")
+        for key, r in result["broker_over_baseline"].items():
+            print(f"    {key:10} {r['ratio']:.3f}   {', '.join(f'{x:.3f}' for x in r['rounds'])}")
     print("RESULT " + json.dumps(result))
     return result
 
@@ -524,6 +585,12 @@ def main() -> None:
     ap.add_argument("--round-trips", type=int, default=5000, help="measured round trips per run")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each server, their order rotated (median)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of " + ", ".join(SERVERS))
+    ap.add_argument(
+        "--baseline-ref",
+        metavar="REF",
+        help="also the broker of commit REF (a temporary git worktree), as the server 'baseline', in the same "
+        "rounds: this tree's broker over it, per round and at the median (with --servers including broker)",
+    )
     ap.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)  # a server's own process
     args = ap.parse_args()
     if args.serve:
@@ -535,11 +602,24 @@ def main() -> None:
         ap.error(f"--servers takes {', '.join(SERVERS)}, got {args.servers!r}")
     if args.round_trips < 1 or args.rounds < 1:
         ap.error("--round-trips and --rounds must be at least 1")
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in servers}
-    for r in range(args.rounds):
-        for server in servers[r % len(servers) :] + servers[: r % len(servers)]:
-            runs[server].append(measure(server, args.round_trips))
-    report(runs, args.round_trips)
+    if args.baseline_ref and "broker" not in servers:
+        ap.error("--baseline-ref compares brokers: --servers must include broker")
+    with contextlib.ExitStack() as stack:
+        trees: dict[str, str | None] = dict.fromkeys(servers)
+        label = None
+        if args.baseline_ref:
+            from broker_throughput import worktree  # a temporary worktree, removed on the way out
+
+            path, sha = stack.enter_context(worktree(args.baseline_ref))
+            trees = {"broker": None, "baseline": path, **trees}
+            label = f"{args.baseline_ref} = {sha[:9]}"
+        names = list(trees)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                server = "broker" if name == "baseline" else name
+                runs[name].append(measure(server, args.round_trips, trees[name]))
+    report(runs, args.round_trips, label)
 
 
 if __name__ == "__main__":

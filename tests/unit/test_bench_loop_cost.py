@@ -1,10 +1,12 @@
 """``benchmarks/loop_cost.py``: what a one-job round trip costs a server's loop thread, the
-broker's beside a bare Python forwarder's and ``zmq.proxy``'s (issue 12, goal 3)."""
+broker's beside a minimal protocol loop's, a bare Python forwarder's and ``zmq.proxy``'s, and
+the broker of another commit beside this one's (issue 12, goal 3)."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,3 +125,37 @@ def test_each_stamped_server_is_set_beside_the_forwarders_read_to_send() -> None
     )
     assert result["to_send_beyond_forwarder_us"] == {"broker": 36, "minimal": 17}
     assert result["minimal"]["client_to_send_us"] == 30 and result["minimal"]["worker_to_send_us"] == 20
+
+
+def test_the_broker_of_another_tree_runs_in_its_own_interpreter_and_is_checked() -> None:
+    run = loop_cost.measure("broker", ROUND_TRIPS, tree=str(ROOT))  # this tree, mapped by roles.use_tree
+    assert run["forwarded"] == WARM_UP + ROUND_TRIPS
+    assert 2 * ROUND_TRIPS - 2 <= run["inside"]["messages"] <= 2 * ROUND_TRIPS
+    command = loop_cost.serve_command("broker", str(ROOT))
+    assert command[1] == "-I" and f"use_tree({str(ROOT.resolve())!r})" in command[-1]
+    with pytest.raises(ValueError, match="only the broker comes from another tree"):
+        loop_cost.measure("forwarder", 1, tree=str(ROOT))
+
+
+def test_this_trees_broker_is_set_over_the_baselines_per_round_and_at_the_median() -> None:
+    after = [run(200, inside(40, 30)), run(150, inside(50, 30)), run(180, inside(45, 30))]
+    before = [run(100, inside(50, 30)), run(150, inside(50, 30)), run(200, inside(90, 30))]
+    ratios = loop_cost.over_baseline(after, before)
+    assert ratios["cpu_us"] == {"ratio": 1.2, "rounds": [2.0, 1.0, 0.9]}  # 180 / 150
+    assert ratios["to_send_us"] == {"ratio": 0.9, "rounds": [0.8, 1.0, 0.5]}  # 45 / 50
+    assert ratios["p50_us"]["ratio"] == 1.2
+    result = loop_cost.summarize({"broker": after, "baseline": before})
+    assert result["broker_over_baseline"] == ratios
+
+
+def test_a_baseline_ref_adds_the_broker_of_that_commit_to_the_same_rounds() -> None:
+    script = str(ROOT / "benchmarks" / "loop_cost.py")
+    args = ["--baseline-ref", "HEAD", "--servers", "broker", "--round-trips", "30", "--rounds", "2"]
+    done = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(done.stdout.splitlines()[-1].removeprefix("RESULT "))
+    assert result["baseline_ref"].startswith("HEAD = ")
+    assert set(result) >= {"broker", "baseline", "broker_over_baseline"}
+    assert len(result["broker_over_baseline"]["cpu_us"]["rounds"]) == 2
+    refuse = [sys.executable, script, "--baseline-ref", "HEAD", "--servers", "forwarder"]
+    refused = subprocess.run(refuse, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "--servers must include broker" in refused.stderr
