@@ -452,9 +452,11 @@ def measure(server: str, round_trips: int, tree: str | None = None) -> dict[str,
     """``round_trips`` one-job round trips through ``server`` (after a fifth as many to warm up),
     in a fresh process: its loop thread's CPU per round trip (us; user and system from the
     thread's ticks), the client's p50 (us), what the server says it forwarded (round trips
-    for the broker and the forwarder, warm-up included; None for ``zmq.proxy``), and its
-    messages' time inside it (``Stamps.summary``; None for ``zmq.proxy``). ``tree``: the
-    broker of that source tree (``serve_command``), checked to be the one that ran."""
+    for the servers in Python, warm-up included; None for ``zmq.proxy``), and its messages'
+    time inside it (``Stamps.summary``; None for ``zmq.proxy``). ``tree``: the broker of that
+    source tree (``serve_command``), checked to be the one that ran. This tree's harness
+    stamps it, so the tree's ``broker/server.py`` must have ``recv_frames`` and ``send_frames``
+    (since c363a93)."""
     if server not in SERVERS:
         raise ValueError(f"unknown server {server!r}: one of {', '.join(SERVERS)}")
     if tree is not None and server != "broker":
