@@ -49,6 +49,7 @@ _KINDS: dict[type, str] = {
 
 
 def kind_of(info: Any) -> str:
+    """The msgpack kind of a msgspec type (``_KINDS``): what a mutation replaces; ``any`` for the rest."""
     return _KINDS.get(type(info), "any")
 
 
