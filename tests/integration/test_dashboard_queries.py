@@ -8,8 +8,9 @@ three clients run jobs; a peer whose key is not on the broker's list is refused 
 failure) and an allowed one sends a malformed message; a clean weight sync (shm); a sync
 that fails on every worker (its segment is gone: step failures, an aborted round); a sync
 with jobs in flight (``pause="abort"``) during which one worker is SIGKILLed: it is lost
-from the round (an eviction, a lost worker), the jobs it held requeue and finish on the
-other worker, and samples cross the sync (stale samples, per-token version spans).
+from the round (an eviction, a lost worker), and the jobs it held requeue on the other worker;
+then a clean round (``pause="abort"``) while that worker decodes them, so that samples cross a
+sync (stale samples, per-token version spans).
 
 Then every target of every panel of every ``deploy/grafana/dashboards/*.json`` is asked over
 the test's window (``query_range``, step 1 s) with the variables (resolved by the
@@ -123,6 +124,15 @@ class Fleet:
             *("--curve-secret-key", str(broker_secret), "--allow-keys", str(tmp / "keys" / "allowed")),
         ]
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.worker_ports: dict[str, int] = {}
+        """Each worker's ``--metrics-port``."""
+
+    def generated_tokens(self, name: str) -> float:
+        """Tokens worker ``name``'s engine has generated so far: vLLM's counter, scraped from the
+        worker itself (its stat logger raises it as the engine steps; a job's own count comes at
+        its end)."""
+        samples = scrape(self.worker_ports[name])
+        return sum(value for key, value in samples.items() if key.startswith("vllm:generation_tokens_total"))
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         with (self.logs / f"{name}.log").open("ab") as log:
@@ -148,6 +158,7 @@ class Fleet:
             curve_secret_key=str(self.worker_secret),
             **LOCAL_WORKER_DEFAULTS,
         )
+        self.worker_ports[name] = metrics_port
         make_nicer(self._spawn(name, worker_command(config)).pid, 10)  # as LocalCluster's: the broker keeps its CPU
 
     def client(self, name: str, **overrides: Any) -> Any:
@@ -232,8 +243,8 @@ def vanished_shm() -> Any:
 
 def run_workload(fleet: Fleet, clients: dict[str, Any], tiny_model: str) -> dict[str, Any]:
     """Jobs from every client; a stranger refused; a malformed message; a clean sync; a sync
-    that fails on every worker; a sync that loses a worker with jobs on it; more jobs.
-    Returns what happened."""
+    that fails on every worker; a sync that loses a worker with jobs on it; a clean sync that
+    the long jobs cross; more jobs. Returns what happened."""
     from model_helpers import trained_model
 
     from zmq_rollout.errors import SyncError
@@ -300,6 +311,16 @@ def run_workload(fleet: Fleet, clients: dict[str, Any], tiny_model: str) -> dict
     fleet.reap(VICTIM)
     assert [e.name for e in lossy.workers_evicted] == [VICTIM], lossy
     assert lossy.workers_updated == [WORKERS[0]]
+    # The survivor now decodes its long jobs and the victim's, requeued: seconds of work. A clean
+    # round while it does cuts them ("abort": each goes on at the new version), the crossing
+    # the span and staleness panels show. Waiting for the lossy round to catch a job both begun
+    # and unfinished on the survivor raced the jobs' start against the victim's end.
+    decoded = fleet.generated_tokens(WORKERS[0])
+    poll_until(lambda: fleet.generated_tokens(WORKERS[0]) > decoded, 60, f"{WORKERS[0]} decoding the long jobs")
+    crossing = trainer.update_weights(
+        trained_model(tiny_model, 24), transport=ShmTransport(), pause="abort", bucket_bytes=200_000
+    )
+    assert crossing.workers_updated == [WORKERS[0]] and crossing.workers_evicted == [], crossing
     rollouts = [f.result(timeout=300)[0] for f in futures]
     assert all(len(r.token_ids) == LONG for r in rollouts)
     load(4)
@@ -307,7 +328,7 @@ def run_workload(fleet: Fleet, clients: dict[str, Any], tiny_model: str) -> dict
     assert requeued > 0, "the victim held no jobs when it died"
     crossed = sum(r.weight_versions is not None for r in rollouts)
     assert crossed > 0, "no job ran across the round (the span and staleness panels would have nothing)"
-    return {"version": lossy.version, "evicted": lossy.workers_evicted, "requeued": requeued, "crossed": crossed}
+    return {"version": crossing.version, "evicted": lossy.workers_evicted, "requeued": requeued, "crossed": crossed}
 
 
 def test_every_dashboard_query_returns_data_from_a_live_fleet(
