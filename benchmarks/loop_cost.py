@@ -17,6 +17,11 @@ process. One message is in flight at a time, so the two never run at once. The s
   identity travels as a frame to the worker and back, as ``zmq.proxy`` carries it. Each socket
   is read until ``zmq.Again``. 100-byte messages.
 - ``proxy``: ``zmq.proxy`` from a ROUTER to a DEALER, libzmq's own loop in C. 100-byte messages.
+- ``direct`` and ``echo``: no server, the paths goal 3's "added" latency is measured against
+  (``broker_throughput.py``'s ``direct`` and ``raw-direct``): the client straight to a process
+  that answers as the worker does, one hop in all. ``direct`` answers a SUBMIT with the worker
+  double's FINAL (decoded and encoded as the worker does); ``echo`` sends each 100-byte message
+  back.
 
 Per server, this prints:
 - the CPU its loop thread spends per round trip: its clock at the start and end of the measured
@@ -38,7 +43,11 @@ server's CPU per round trip is most of what it adds, past the hops that every pr
 path pays. The forwarder is the floor for any broker written as a Python loop on pyzmq, and
 ``minimal`` for one that decodes and encodes our messages. The broker's figure less the
 forwarder's is what its own work costs: decoding, the scheduler, encoding; its read to send
-less ``minimal``'s, what the scheduler costs on the latency path. Prints a RESULT line.
+less ``minimal``'s, what the scheduler costs on the latency path. With ``direct`` and ``echo``
+in the run (the default), each server's added latency (its p50 less its path's without it,
+``DIRECT_PATH``) over ``zmq.proxy``'s, per round: goal 3's ratio, for the broker and for the
+floors beside it, so that a run says whether a Python broker on this protocol can meet the goal
+on this machine at all. Prints a RESULT line.
 """
 
 from __future__ import annotations
@@ -63,9 +72,16 @@ from message_cost import median  # the benchmarks' one median (the upper one of 
 from zmq_rollout import codec
 from zmq_rollout import protocol as p
 
-SERVERS = ("broker", "minimal", "forwarder", "proxy")
+SERVERS = ("broker", "minimal", "forwarder", "proxy", "direct", "echo")
+DIRECT_PATH = {"broker": "direct", "baseline": "direct", "minimal": "direct", "forwarder": "echo", "proxy": "echo"}
+"""Each server's path without it (goal 3's "added" latency: the server's p50 less this one's): the
+client straight to a process that answers as the worker does, one hop in all."""
+GOAL_ADDED_OVER_PROXY = 1.5
+"""Goal 3: the broker adds at most this many times the latency ``zmq.proxy`` adds."""
 RAW = b"x" * 100
 """What the forwarder's and the proxy's client sends, and the echo returns."""
+SAMPLE = p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
+"""Each fake result's one sample (the worker double's and ``direct``'s)."""
 
 
 # -- a message's time inside a server -------------------------------------------------------
@@ -352,6 +368,60 @@ def serve_proxy() -> None:
     zmq.proxy(front, back)
 
 
+def _answering_server() -> tuple[Any, threading.Event]:
+    """A server with no worker behind it (``direct``, ``echo``): one ROUTER for the client,
+    bound (the parent is told its address, and none for workers), and the event that stops its
+    loop; its CPU reported on each ``mark``."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    front = ctx.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.bind("tcp://127.0.0.1:*")
+    _say(front.getsockopt_string(zmq.LAST_ENDPOINT), "")
+    stopped = threading.Event()
+    threading.Thread(target=_marks, args=(_say, stopped.set), daemon=True).start()
+    return front, stopped
+
+
+def serve_direct() -> None:
+    """Each one-job SUBMIT answered with the FINAL the worker double sends for its JOBS
+    (``Peers._answer_jobs``), keyed by the job's id: the decoding and encoding a worker does,
+    read and sent as the broker does, with no hop between."""
+    from zmq_rollout.broker.server import recv_frames, send_frames
+
+    front, stopped = _answering_server()
+    from_client = codec.Decoder(codec.BROKER_FROM_CLIENT)
+    answered = 0
+    while not stopped.is_set():
+        if not front.poll(100):
+            continue
+        while True:
+            try:
+                identity, frames = recv_frames(front)
+            except zmq.Again:
+                break
+            msg = from_client.decode(frames)
+            if msg.command == p.SUBMIT:
+                results = [p.Result(spec.job_id, [1, 2, 3, 4], [SAMPLE], 0, "w") for spec in msg.body]
+                send_frames(front, [identity, *codec.encode(p.FINAL, results, packed=True)])
+                answered += 1
+    _say(answered, None)
+    os._exit(0)
+
+
+def serve_echo() -> None:
+    """Each message sent straight back to its sender."""
+    front, stopped = _answering_server()
+    echoed = 0
+    while not stopped.is_set():
+        if not front.poll(100):
+            continue
+        while (got := _waiting(front)) is not None:
+            front.send_multipart([got[0], *got[1]], copy=False)
+            echoed += 1
+    _say(echoed, None)
+    os._exit(0)
+
+
 # -- the client and worker side (this process) ----------------------------------------------
 class Peers:
     """A server's client and worker: ``round_trip()`` sends one message and waits for its answer."""
@@ -361,16 +431,21 @@ class Peers:
         self.client, self.worker = self.ctx.socket(zmq.DEALER), self.ctx.socket(zmq.DEALER)
         self.client.setsockopt(zmq.RCVTIMEO, 10_000)  # a server that died: an error, not a hang
         self.client.connect(front)
-        self.worker.connect(back)
-        self.protocol = server in ("broker", "minimal")  # they speak the protocol
+        self.protocol = server in ("broker", "minimal", "direct")  # they speak the protocol
         self.sent = 0
+        self.thread: threading.Thread | None = None
         if self.protocol:
-            self.to_client, to_worker = codec.Decoder(codec.TO_CLIENT), codec.Decoder(codec.TO_WORKER)
+            self.to_client = codec.Decoder(codec.TO_CLIENT)
+            self.sampling = p.SamplingParams(max_tokens=16)
+        if server in ("direct", "echo"):  # the client's own path: no worker behind the server
+            return
+        self.worker.connect(back)
+        if self.protocol:
+            to_worker = codec.Decoder(codec.TO_WORKER)
             info = p.WorkerInfo("w", "m", 64, 0, [p.TOKEN_BINS, p.SEALED_JOBS])  # as a current worker announces
             self.worker.send_multipart(codec.encode(p.READY, info, packed=True))
             while to_worker.decode(self.worker.recv_multipart()).command != p.HEARTBEAT:
                 pass  # registered
-            self.sampling = p.SamplingParams(max_tokens=16)
             target: Any = self._answer_jobs
             args: tuple[Any, ...] = (to_worker,)
         else:
@@ -384,12 +459,11 @@ class Peers:
 
     def _answer_jobs(self, to_worker: Any) -> None:
         """The worker: each JOBS answered with one FINAL of fake results, until ``close``."""
-        sample = p.Sample(0, [1, 2, 3, 4], [0.0] * 4, "length")
         try:
             while True:
                 msg = to_worker.decode(self.worker.recv_multipart())
                 if msg.command == p.JOBS:
-                    results = [p.Result(a.ticket, [1, 2, 3, 4], [sample], 0, "w") for a in msg.body]
+                    results = [p.Result(a.ticket, [1, 2, 3, 4], [SAMPLE], 0, "w") for a in msg.body]
                     self.worker.send_multipart(codec.encode(p.FINAL, results, packed=True))
         except zmq.ContextTerminated:
             self.worker.close(linger=0)
@@ -421,8 +495,11 @@ class Peers:
     def close(self) -> None:
         """End the worker's thread (its socket's context terminates under it) and the client."""
         self.client.close(linger=0)
+        if self.thread is None:  # no worker ran: its socket is the context's last
+            self.worker.close(linger=0)
         self.ctx.term()
-        self.thread.join(timeout=10)
+        if self.thread is not None:
+            self.thread.join(timeout=10)
 
 
 def serve_command(server: str, tree: str | None = None) -> list[str]:
@@ -521,11 +598,43 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out["broker_own_work_us"] = round(cpu["broker"] - cpu["forwarder"], 1)
     if "broker" in runs and "baseline" in runs:
         out["broker_over_baseline"] = over_baseline(runs["broker"], runs["baseline"])
+    added = added_latency(runs)
+    if added:
+        out["added_over_proxy"] = added
     floor = out.get("forwarder", {}).get("to_send_us")
     if floor is not None:
         stamped = [s for s in runs if s != "forwarder" and "to_send_us" in out[s]]
         if stamped:
             out["to_send_beyond_forwarder_us"] = {s: round(out[s]["to_send_us"] - floor, 1) for s in stamped}
+    return out
+
+
+def added_latency(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Goal 3's ratio per server: the latency it adds (its p50 less its path's without it,
+    ``DIRECT_PATH``, in the same round) over what ``zmq.proxy`` adds, per round and at the
+    median of the rounds; with the added microseconds' median. Empty without the proxy and the
+    echo; a server whose direct path did not run gets none."""
+    if "proxy" not in runs or "echo" not in runs:
+        return {}
+
+    def added(server: str) -> list[float]:
+        path = runs[DIRECT_PATH[server]]
+        return [a["p50_us"] - b["p50_us"] for a, b in zip(runs[server], path, strict=True)]
+
+    proxy = added("proxy")
+    out: dict[str, Any] = {}
+    for server in runs:
+        if server == "proxy" or DIRECT_PATH.get(server) not in runs:
+            continue
+        us = added(server)
+        rounds = [round(a / b, 2) if b > 0 else None for a, b in zip(us, proxy, strict=True)]
+        known = [r for r in rounds if r is not None]
+        out[server] = {
+            "added_us": round(median(us), 1),
+            "ratio": median(known) if known else None,
+            "rounds": rounds,
+            "goal_met": bool(known) and median(known) <= GOAL_ADDED_OVER_PROXY,
+        }
     return out
 
 
@@ -574,6 +683,14 @@ def report(runs: dict[str, list[dict[str, Any]]], round_trips: int, baseline: st
         print(f"  the broker's own work (its CPU less the bare forwarder's): {result['broker_own_work_us']:.1f} us")
     for server, us in result.get("to_send_beyond_forwarder_us", {}).items():
         print(f"  a message's read to send, the {server}'s less the forwarder's (twice a round trip): {us:.1f} us")
+    added = result.get("added_over_proxy", {})
+    if added:
+        print(f"  latency added (p50 less its path's without it), over zmq.proxy's: goal 3 <= {GOAL_ADDED_OVER_PROXY}x")
+        for server, r in added.items():
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+            each = ", ".join("-" if x is None else f"{x:.2f}" for x in r["rounds"])
+            met = "met" if r["goal_met"] else "NOT met"
+            print(f"    {server:10} {r['added_us']:7.1f} us  {ratio:>6} ({met})   rounds: {each}")
     if "broker_over_baseline" in result:
         print(f"  this tree's broker over the baseline's (the broker of {baseline}), median; per round:")
         for key, r in result["broker_over_baseline"].items():
@@ -596,7 +713,14 @@ def main() -> None:
     ap.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)  # a server's own process
     args = ap.parse_args()
     if args.serve:
-        serve = {"broker": serve_broker, "minimal": serve_minimal, "forwarder": serve_forwarder, "proxy": serve_proxy}
+        serve = {
+            "broker": serve_broker,
+            "minimal": serve_minimal,
+            "forwarder": serve_forwarder,
+            "proxy": serve_proxy,
+            "direct": serve_direct,
+            "echo": serve_echo,
+        }
         serve[args.serve]()
         return
     servers = args.servers.split(",")

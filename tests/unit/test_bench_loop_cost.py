@@ -25,12 +25,12 @@ WARM_UP = ROUND_TRIPS // 5
 def test_each_server_carries_every_round_trip_and_its_loop_thread_is_timed(server: str) -> None:
     run = loop_cost.measure(server, ROUND_TRIPS)
     assert run["sent"] == WARM_UP + ROUND_TRIPS
-    # The servers in Python count what they carried: each round trip went through them.
+    # The servers in Python count what they carried (or, with no worker, answered): each round trip went through them.
     assert run["forwarded"] == (None if server == "proxy" else WARM_UP + ROUND_TRIPS)
     assert run["cpu_us"] > 0 and run["p50_us"] > 0
     assert run["user_us"] >= 0 and run["sys_us"] >= 0
-    if server == "proxy":
-        assert run["inside"] is None  # libzmq's loop: not ours to stamp
+    if server in ("proxy", "direct", "echo"):
+        assert run["inside"] is None  # libzmq's loop, and the paths without a server: not stamped
     else:  # a SUBMIT (or its raw message) and a FINAL per round trip, each read and then sent on
         inside = run["inside"]
         assert 2 * ROUND_TRIPS - 2 <= inside["messages"] <= 2 * ROUND_TRIPS, inside  # less a heartbeat's
@@ -159,3 +159,48 @@ def test_a_baseline_ref_adds_the_broker_of_that_commit_to_the_same_rounds() -> N
     refuse = [sys.executable, script, "--baseline-ref", "HEAD", "--servers", "forwarder"]
     refused = subprocess.run(refuse, capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "--servers must include broker" in refused.stderr
+
+
+def timed(p50: float) -> dict[str, Any]:
+    return {"cpu_us": 1.0, "user_us": 1.0, "sys_us": 0.0, "p50_us": p50, "inside": None}
+
+
+def test_goal_3s_ratio_is_each_servers_added_latency_over_the_proxys_per_round(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    runs = {
+        "broker": [timed(500), timed(420), timed(480)],
+        "minimal": [timed(400), timed(380), timed(390)],
+        "forwarder": [timed(330), timed(300), timed(310)],
+        "proxy": [timed(300), timed(280), timed(260)],
+        "direct": [timed(200), timed(220), timed(210)],
+        "echo": [timed(150), timed(160), timed(140)],
+    }
+    result = loop_cost.report(runs, 5000)
+    added = result["added_over_proxy"]
+    assert set(added) == {"broker", "minimal", "forwarder"}  # the proxy is the reference; the direct paths add nothing
+    # The broker adds 300, 200, 270 us to its direct path; the proxy 150, 120, 120 to the echo's.
+    assert added["broker"] == {"added_us": 270, "ratio": 2.0, "rounds": [2.0, 1.67, 2.25], "goal_met": False}
+    # The forwarder is set beside the echo, as the proxy: it adds 180, 140, 170.
+    assert added["forwarder"] == {"added_us": 170, "ratio": 1.2, "rounds": [1.2, 1.17, 1.42], "goal_met": True}
+    assert added["minimal"]["rounds"] == [1.33, 1.33, 1.5] and added["minimal"]["goal_met"]
+    out = capsys.readouterr().out
+    assert "over zmq.proxy's: goal 3 <= 1.5x" in out
+    assert "broker       270.0 us   2.00x (NOT met)   rounds: 2.00, 1.67, 2.25" in out
+
+
+def test_without_a_path_to_set_it_against_no_added_latency_is_made_up() -> None:
+    both = {"broker": [timed(500)], "proxy": [timed(300)], "direct": [timed(200)], "echo": [timed(150)]}
+    assert loop_cost.summarize({k: v for k, v in both.items() if k != "echo"}).get("added_over_proxy") is None
+    assert loop_cost.summarize({k: v for k, v in both.items() if k != "proxy"}).get("added_over_proxy") is None
+    no_direct = loop_cost.summarize({k: v for k, v in both.items() if k != "direct"})
+    assert "added_over_proxy" not in no_direct  # the broker has no direct path in the run: no server left
+    # A round where the proxy added nothing (the noise of a fast echo) has no ratio, and is left out of the median.
+    runs = {"broker": [timed(500), timed(500)], "proxy": [timed(150), timed(300)]}
+    runs |= {"direct": [timed(200), timed(200)], "echo": [timed(150), timed(150)]}
+    assert loop_cost.added_latency(runs)["broker"] == {
+        "added_us": 300,
+        "ratio": 2.0,
+        "rounds": [None, 2.0],
+        "goal_met": False,
+    }
