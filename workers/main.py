@@ -23,6 +23,14 @@ from zmq_rollout.curve import PeerKeys
 from zmq_rollout.gc_pauses import settle_heap
 from zmq_rollout.settings import to_argv
 
+GC_YOUNG_THRESHOLD = 20_000
+"""New objects between two collections of the youngest generation in a worker's process (Python's
+default: 700), as in the broker's (``broker/server.py``). vLLM's output processing, on the
+worker's event loop, makes objects per request and token; at Python's default the collector's
+full collections came every few seconds and walked every request's state: 0.97-1.54 s of each
+17-20 s batch at the 7B shape, 256 sequences, on a worker that had one core to itself and used
+all of it (benchmarks/README.md, gpu_e2e, twenty-eighth session)."""
+
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_START = 5
@@ -58,8 +66,9 @@ async def _serve(config: WorkerConfig) -> int:
     # process: frozen, the collector no longer walks it each time the objects a batch
     # makes (vLLM's outputs and logprobs, per request and token) set off a full collection
     # in the loop that also runs vLLM's output processing. vLLM's own server does the same
-    # after its warm-up (vllm.utils.gc_utils.freeze_gc_heap).
-    settle_heap()
+    # after its warm-up (vllm.utils.gc_utils.freeze_gc_heap). And fewer collections after that
+    # (``GC_YOUNG_THRESHOLD``): each full one walks every request in flight.
+    settle_heap(GC_YOUNG_THRESHOLD)
     log.info(
         "engine ready in %.1f s: %s (max_model_len=%d, max_num_seqs=%d)",
         time.monotonic() - started,
