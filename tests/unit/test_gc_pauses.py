@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import gc
-from typing import Any
 
-import pytest
 from helpers import parse_samples
 from prometheus_client import generate_latest
 
@@ -90,57 +88,6 @@ def test_a_broker_settles_its_heap_in_a_process_of_its_own_and_never_on_a_thread
         own.run()
         assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
         assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)
-
-
-def test_a_worker_settles_its_heap_once_its_engine_is_warm_and_collects_young_objects_less_often(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``workers.main._serve``: after the warm-up, before it takes jobs, the worker's process
-    freezes its heap and collects young objects every ``GC_YOUNG_THRESHOLD`` (the engine, its
-    warm-up and the worker are stand-ins here: what is checked is the process's collector)."""
-    import asyncio
-
-    from zmq_rollout.config import WorkerConfig
-    from zmq_rollout.workers import engine, generation, main, worker
-
-    seen: dict[str, Any] = {}
-
-    class Engine:
-        max_model_len, max_num_seqs = 16, 1
-
-        def __init__(self, config: WorkerConfig) -> None:
-            pass
-
-        def shutdown(self) -> None:
-            seen["shut_down"] = True
-
-    async def warm_up(_: Engine) -> None:
-        seen["at_warm_up"] = gc.get_threshold()
-
-    class Worker:
-        def __init__(self, config: WorkerConfig, engine: Engine) -> None:
-            pass
-
-        def stop(self) -> None:
-            pass
-
-        async def run(self) -> int:
-            seen["serving"], seen["frozen"] = gc.get_threshold(), gc.get_freeze_count()
-            return 0
-
-    monkeypatch.setattr(engine, "Engine", Engine)
-    monkeypatch.setattr(generation, "warm_up", warm_up)
-    monkeypatch.setattr(worker, "Worker", Worker)
-    before = gc.get_threshold()
-    gc.unfreeze()
-    try:
-        assert asyncio.run(main._serve(WorkerConfig(model="stand-in"))) == 0
-        assert seen["at_warm_up"] == before  # the warm-up's objects are still collected as usual
-        assert seen["serving"] == (main.GC_YOUNG_THRESHOLD, before[1], before[2])
-        assert seen["frozen"] > 0 and seen["shut_down"]
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)

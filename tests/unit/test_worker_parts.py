@@ -127,7 +127,8 @@ def test_a_failed_job_names_its_cause_and_a_refused_request_is_invalid() -> None
 
 def test_the_worker_freezes_its_start_up_heap_after_the_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """What start-up made is frozen (as vLLM's own server does) once the warm-up is done and
-    before the worker serves, so full collections during a batch do not walk it."""
+    before the worker serves, so full collections during a batch do not walk it; from then on
+    young objects are collected every ``GC_YOUNG_THRESHOLD``, so full collections come seldom."""
     import asyncio
     import gc
 
@@ -145,7 +146,7 @@ def test_the_worker_freezes_its_start_up_heap_after_the_warm_up(monkeypatch: pyt
             seen.append("shutdown")
 
     async def warm_up(e: object) -> None:
-        seen.append(f"warm_up frozen={gc.get_freeze_count()}")
+        seen.append(f"warm_up frozen={gc.get_freeze_count()} young={gc.get_threshold()[0]}")
 
     class FakeWorker:
         def __init__(self, config: object, e: object) -> None:
@@ -155,19 +156,23 @@ def test_the_worker_freezes_its_start_up_heap_after_the_warm_up(monkeypatch: pyt
             pass
 
         async def run(self) -> int:
-            seen.append(f"run frozen={gc.get_freeze_count() > 0}")
+            seen.append(f"run frozen={gc.get_freeze_count() > 0} thresholds={gc.get_threshold()}")
             return 0
 
     monkeypatch.setattr(engine, "Engine", FakeEngine)
     monkeypatch.setattr(generation, "warm_up", warm_up)
     monkeypatch.setattr(worker, "Worker", FakeWorker)
+    before = gc.get_threshold()
     gc.unfreeze()
     try:
         config = SimpleNamespace(model="m")
         assert asyncio.run(worker_main._serve(config)) == 0  # type: ignore[arg-type]
     finally:
         gc.unfreeze()
-    assert seen == ["engine", "warm_up frozen=0", "run frozen=True", "shutdown"]
+        gc.set_threshold(*before)
+    serving = (worker_main.GC_YOUNG_THRESHOLD, before[1], before[2])
+    warm = f"warm_up frozen=0 young={before[0]}"  # the warm-up's objects are collected as usual
+    assert seen == ["engine", warm, f"run frozen=True thresholds={serving}", "shutdown"]
 
 
 def test_a_load_over_another_transport_unmaps_the_trainers_cuda_ipc_memory() -> None:
