@@ -65,12 +65,26 @@ class WorkerMetrics:
             "Messages from the broker that failed to decode.",
             registry=self.registry,
         )
+        self.loop_stalls = Counter(
+            "zmq_rollout_worker_loop_stalls",
+            "Times the worker's event loop (its heartbeat too) woke over a second late (loop_watch.py).",
+            registry=self.registry,
+        )
+        self.loop_stalled_seconds = Counter(
+            "zmq_rollout_worker_loop_stalled_seconds",
+            "Seconds the worker's event loop woke late in those stalls.",
+            registry=self.registry,
+        )
         self._server: MetricsServer | None = None
 
     def job_done(self, seconds: float, num_tokens: int) -> None:
         self.jobs.inc()
         self.tokens.inc(num_tokens)
         self.latency.observe(seconds)
+
+    def loop_stalled(self, seconds: float) -> None:
+        self.loop_stalls.inc()
+        self.loop_stalled_seconds.inc(seconds)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         self._server = start_metrics_server(self.registry, port, host)

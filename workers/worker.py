@@ -30,6 +30,7 @@ from zmq_rollout.errors import ProtocolError
 from .control import SyncParticipant, refusal
 from .engine import Engine, InvalidJob
 from .generation import failure, run_job
+from .loop_watch import LoopWatch
 from .metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -200,17 +201,17 @@ class Worker:
 
     async def _heartbeat(self) -> None:
         cfg = self.config
-        beat = time.monotonic()
+        watch = LoopWatch(cfg.heartbeat_interval_s, time.monotonic())
         while True:
             await asyncio.sleep(cfg.heartbeat_interval_s)
-            now, last_beat = time.monotonic(), beat
-            beat = now
-            stalled = now - last_beat - cfg.heartbeat_interval_s
-            if stalled > cfg.heartbeat_interval_s + 1:
-                # This process got no CPU (engines hogging the cores): silence it could not
-                # hear is not the broker's, so it does not count towards broker_expiry_s.
-                log.warning("worker %s: event loop stalled for %.1f s", self.name, stalled)
-                self._last_heard += stalled
+            now = time.monotonic()
+            stall = watch.woke(now)
+            if stall is not None:
+                # The loop did not run (``loop_watch.py`` says why): silence it could not hear
+                # is not the broker's, so it does not count towards broker_expiry_s.
+                log.warning("worker %s: %s", self.name, stall)
+                self.metrics.loop_stalled(stall.seconds)
+                self._last_heard += stall.seconds
             if now - self._last_heard > cfg.broker_expiry_s and not self._messages_waiting():
                 await self._reconnect("broker silent")
             else:
