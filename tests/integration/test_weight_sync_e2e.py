@@ -50,7 +50,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         # those classed were "starved", waiting for a core), and at 5 s the broker expired one
         # and requeued its job (a local full run; most likely CI stop 44 too).
         worker_liveness=20,
-        metrics_port=0,  # the broker's reasons for a lost worker (worker_losses)
+        metrics_port=0,  # the broker's reasons for a lost worker (loss_report)
     )
     logs = str(tmp_path_factory.mktemp("sync-logs"))
     c = LocalCluster(tiny_model, num_workers=2, broker_config=config, log_dir=logs)
@@ -232,7 +232,7 @@ def test_max_staleness_restarts_or_fails_a_job_that_crossed_a_sync(
         outcomes.append(f"attempt {attempt}: restarted={bool(restarted)}, stale={stale}, requeued={requeued}")
         print(outcomes[-1])
         if requeued:  # a restart may have been the requeue's: say why the worker went
-            print(worker_losses(cluster))
+            print(loss_report(cluster))
         elif restarted and stale is not None:
             break
     assert restarted and stale is not None and requeued == 0, (
@@ -258,7 +258,7 @@ def workers_lost(cluster: LocalCluster) -> float:
     return sum(v for k, v in broker_losses(cluster).items() if k.startswith("zmq_rollout_workers_lost"))
 
 
-def worker_losses(cluster: LocalCluster) -> str:
+def loss_report(cluster: LocalCluster) -> str:
     """Why workers were lost, for an attempt that saw a requeue: ``broker_losses``, then the
     lines of the workers' logs that tell of it (a reconnect, a stalled event loop, a DISCONNECT
     or an eviction)."""
