@@ -112,15 +112,22 @@ class BrokerOutput:
         self._thread.join(timeout_s)
 
 
-def make_nicer(pid: int, niceness: int) -> None:
-    """Lower a new process's CPU priority by ``niceness``, before it starts its children (an
-    engine process, seconds of imports away), which inherit it. With the kernel's autogroups
-    (a session's processes share the CPU as one group, and a worker starts its own session)
-    a nice value counts only inside the group: the group's own nice is set too. Best effort."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness))
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/autogroup", "w") as group:
-        group.write(str(min(19, niceness)))
+def start_nicer(argv: list[str], niceness: int, **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as the leader of a process group of its own (``os.killpg(proc.pid, ...)``
+    ends it and the engine processes it starts) in the caller's session, ``niceness`` below the
+    caller's priority, set before it starts its children (an engine process, seconds of imports
+    away), which inherit it.
+
+    In the caller's session, not a new one: with the kernel's autogroups each session shares the
+    CPU as one group, whatever its processes' nice values. Two workers in sessions of their own
+    competed as wholes, and on 2 cores one worker's session (its engine included) got no CPU
+    for 2-4 s while the other's engine ran (docs/architecture.md, "A late loop"). In one group the
+    nice value counts as it says. Lowering the priority is best effort."""
+    proc: subprocess.Popen[bytes] = subprocess.Popen(argv, process_group=0, **popen)
+    if niceness:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness))
+    return proc
 
 
 _CAUSES = ("Fatal Python error", "died unexpectedly", "Error: ", "Killed", "Traceback")
@@ -284,9 +291,7 @@ class LocalCluster:
         if self.log_dir:
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed in stop()
             self._logs.append(out)
-        proc = subprocess.Popen(worker_command(config), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        if self.worker_niceness:
-            make_nicer(proc.pid, self.worker_niceness)
+        proc = start_nicer(worker_command(config), self.worker_niceness, stdout=out, stderr=subprocess.STDOUT)
         self.workers[name] = proc
         return proc
 

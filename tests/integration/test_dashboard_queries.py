@@ -134,9 +134,11 @@ class Fleet:
         samples = scrape(self.worker_ports[name])
         return sum(value for key, value in samples.items() if key.startswith("vllm:generation_tokens_total"))
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, argv: list[str], niceness: int = 0) -> subprocess.Popen[bytes]:
+        from zmq_rollout.local import start_nicer
+
         with (self.logs / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = start_nicer(argv, niceness, stdout=log, stderr=subprocess.STDOUT)
         self.processes[name] = proc
         return proc
 
@@ -145,7 +147,7 @@ class Fleet:
 
     def start_worker(self, name: str, metrics_port: int) -> None:
         from zmq_rollout.config import WorkerConfig
-        from zmq_rollout.local import LOCAL_WORKER_DEFAULTS, make_nicer
+        from zmq_rollout.local import LOCAL_WORKER_DEFAULTS
         from zmq_rollout.workers.main import worker_command
 
         config = WorkerConfig(
@@ -159,7 +161,7 @@ class Fleet:
             **LOCAL_WORKER_DEFAULTS,
         )
         self.worker_ports[name] = metrics_port
-        make_nicer(self._spawn(name, worker_command(config)).pid, 10)  # as LocalCluster's: the broker keeps its CPU
+        self._spawn(name, worker_command(config), niceness=10)  # as LocalCluster's: the broker keeps its CPU
 
     def client(self, name: str, **overrides: Any) -> Any:
         from zmq_rollout.blocking import RolloutClient

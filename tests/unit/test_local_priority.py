@@ -11,17 +11,29 @@ from pathlib import Path
 
 import pytest
 
-from zmq_rollout.local import LocalCluster, log_excerpt, make_nicer
+from zmq_rollout.local import LocalCluster, log_excerpt, start_nicer
 
 
-def test_a_worker_process_and_its_session_group_run_nicer() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+def test_a_worker_runs_nicer_in_a_group_of_its_own_inside_the_callers_session() -> None:
+    proc = start_nicer([sys.executable, "-c", "import time; time.sleep(30)"], 10)
     try:
-        make_nicer(proc.pid, 10)
         assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+        assert os.getpgid(proc.pid) == proc.pid  # os.killpg(proc.pid, ...) ends it and what it starts
+        assert os.getpgid(0) != proc.pid
+        assert os.getsid(proc.pid) == os.getsid(0)  # no session of its own ...
         group = Path(f"/proc/{proc.pid}/autogroup")
-        if group.exists():  # kernels with autogroups: a nice value counts only inside the session's group
-            assert group.read_text().split()[-2:] == ["nice", "10"], group.read_text()
+        if group.exists():  # ... so, on kernels with autogroups, one scheduling group with the caller
+            assert group.read_text() == Path("/proc/self/autogroup").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_worker_at_niceness_0_keeps_the_callers_priority() -> None:
+    proc = start_nicer([sys.executable, "-c", "import time; time.sleep(30)"], 0)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpgid(proc.pid) == proc.pid
     finally:
         proc.kill()
         proc.wait()
