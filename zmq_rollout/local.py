@@ -123,7 +123,8 @@ def start_nicer(argv: list[str], niceness: int, **popen: Any) -> subprocess.Pope
     competed as wholes, and on 2 cores one worker's session (its engine included) got no CPU
     for 2-4 s while the other's engine ran (docs/architecture.md, "A late loop"). In one group the
     nice value counts as it says. Lowering the priority is best effort."""
-    proc: subprocess.Popen[bytes] = subprocess.Popen(argv, process_group=0, **popen)
+    group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc: subprocess.Popen[bytes] = subprocess.Popen(argv, **group, **popen)
     if niceness:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + niceness))

@@ -39,6 +39,17 @@ def test_a_worker_at_niceness_0_keeps_the_callers_priority() -> None:
         proc.wait()
 
 
+def test_on_python_3_10_the_group_is_made_in_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14))  # Popen has no process_group before 3.11
+    proc = start_nicer([sys.executable, "-c", "import time; time.sleep(30)"], 10)
+    try:
+        assert os.getpgid(proc.pid) == proc.pid
+        assert os.getsid(proc.pid) == os.getsid(0)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # -- a worker that dies before it registers: the error says why ------------------------------
 def test_the_excerpt_of_a_dead_workers_log_has_the_cause_and_the_end(tmp_path: Path) -> None:
     log = tmp_path / "w.log"
