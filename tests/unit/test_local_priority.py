@@ -4,9 +4,11 @@ worker that dies before it registers is reported with what its log says."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,19 @@ import pytest
 from zmq_rollout.local import LocalCluster, log_excerpt, start_nicer
 
 
-def test_a_worker_runs_nicer_in_a_group_of_its_own_inside_the_callers_session() -> None:
-    proc = start_nicer([sys.executable, "-c", "import time; time.sleep(30)"], 10)
+@contextlib.contextmanager
+def sleeper(niceness: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A process started by ``start_nicer`` that sleeps until the test is done with it."""
+    proc = start_nicer([sys.executable, "-c", "import time; time.sleep(30)"], niceness)
     try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_worker_runs_nicer_in_a_group_of_its_own_inside_the_callers_session() -> None:
+    with sleeper(10) as proc:
         assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
         assert os.getpgid(proc.pid) == proc.pid  # os.killpg(proc.pid, ...) ends it and what it starts
         assert os.getpgid(0) != proc.pid
@@ -24,30 +36,19 @@ def test_a_worker_runs_nicer_in_a_group_of_its_own_inside_the_callers_session() 
         group = Path(f"/proc/{proc.pid}/autogroup")
         if group.exists():  # ... so, on kernels with autogroups, one scheduling group with the caller
             assert group.read_text() == Path("/proc/self/autogroup").read_text()
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_worker_at_niceness_0_keeps_the_callers_priority() -> None:
-    proc = start_nicer([sys.executable, "-c", "import time; time.sleep(30)"], 0)
-    try:
+    with sleeper(0) as proc:
         assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)
         assert os.getpgid(proc.pid) == proc.pid
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_on_python_3_10_the_group_is_made_in_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "version_info", (3, 10, 14))  # Popen has no process_group before 3.11
-    proc = start_nicer([sys.executable, "-c", "import time; time.sleep(30)"], 10)
-    try:
+    with sleeper(10) as proc:
         assert os.getpgid(proc.pid) == proc.pid
         assert os.getsid(proc.pid) == os.getsid(0)
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 # -- a worker that dies before it registers: the error says why ------------------------------
