@@ -121,7 +121,7 @@ def start_nicer(argv: list[str], niceness: int, **popen: Any) -> subprocess.Pope
     In the caller's session, not a new one: with the kernel's autogroups each session shares the
     CPU as one group, whatever its processes' nice values. Two workers in sessions of their own
     competed as wholes, and on 2 cores one worker's session (its engine included) got no CPU
-    for 2-4 s while the other's engine ran (docs/architecture.md, "A late loop"). In one group the
+    for 2-7 s while the other's engine ran (docs/architecture.md, "A late loop"). In one group the
     nice value counts as it says. Lowering the priority is best effort."""
     group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     proc: subprocess.Popen[bytes] = subprocess.Popen(argv, **group, **popen)
